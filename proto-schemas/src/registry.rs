@@ -1,0 +1,246 @@
+//! Payloads of the registry's subjects (`registry.*`, `presence.*`).
+//!
+//! Requests carry `"version": 1`; replies are a [`Reply`]: `{"ok": …}` or
+//! `{"error": {"detail": …, "error_code": …}}`.
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::enums::{ClientType, Extension, Platform};
+use crate::error::ErrorBody;
+use crate::frames::McpToolInfo;
+use crate::version::V1;
+
+/// The reply to any request/reply subject: the answer or an error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(rename = "Reply_for_{T}")]
+pub enum Reply<T> {
+    /// The request succeeded.
+    Ok(T),
+    /// The request failed; the code says how.
+    Error(ErrorBody),
+}
+
+impl<T> Reply<T> {
+    /// Converts into a `Result`.
+    pub fn into_result(self) -> Result<T, ErrorBody> {
+        match self {
+            Reply::Ok(v) => Ok(v),
+            Reply::Error(e) => Err(e),
+        }
+    }
+}
+
+impl<T> From<Result<T, ErrorBody>> for Reply<T> {
+    fn from(r: Result<T, ErrorBody>) -> Self {
+        match r {
+            Ok(v) => Reply::Ok(v),
+            Err(e) => Reply::Error(e),
+        }
+    }
+}
+
+/// An agent's availability.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentStatus {
+    /// Connected and ready for work.
+    Available,
+    /// Connected, at its concurrency limit.
+    Busy,
+    /// Not connected (or its gateway stopped reporting it).
+    Offline,
+}
+
+impl AgentStatus {
+    /// The wire string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentStatus::Available => "available",
+            AgentStatus::Busy => "busy",
+            AgentStatus::Offline => "offline",
+        }
+    }
+
+    /// Parses the wire string.
+    pub fn from_wire(s: &str) -> Option<Self> {
+        match s {
+            "available" => Some(AgentStatus::Available),
+            "busy" => Some(AgentStatus::Busy),
+            "offline" => Some(AgentStatus::Offline),
+            _ => None,
+        }
+    }
+}
+
+/// `registry.register`: a gateway registers a client that sent a valid REGISTER.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RegisterAgent {
+    /// Always 1.
+    pub version: V1,
+    /// The client's id, as given.
+    pub agent_id: String,
+    /// Device or constellation.
+    pub client_type: ClientType,
+    /// The gateway holding the socket.
+    pub gateway_id: String,
+    /// The socket, unique per connection; later frames about it name it.
+    pub connection_id: String,
+    /// Who authenticated the socket (a credential name; `anonymous` without auth). A live
+    /// registration may be taken over only by the same principal.
+    pub principal: String,
+    /// Device platform.
+    pub platform: Platform,
+    /// For a constellation: the device named in REGISTER `target_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_id: Option<String>,
+    /// Capabilities for lookup.
+    #[serde(default)]
+    pub capabilities: Vec<String>,
+    /// Advertised tools.
+    #[serde(default)]
+    pub tools: Vec<McpToolInfo>,
+    /// REGISTER `metadata.system_info`, verbatim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_info: Option<Value>,
+    /// REGISTER `metadata`, verbatim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+    /// Negotiated extensions.
+    #[serde(default)]
+    pub extensions: Vec<Extension>,
+}
+
+/// `registry.register` reply payload on success.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Registered {
+    /// The stored record.
+    pub agent: AgentRecord,
+    /// The connection this registration replaced (same principal, stale socket), if any; the
+    /// gateway holding it is told to close it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_connection: Option<String>,
+}
+
+/// The `registry.register` reply.
+pub type RegisterReply = Reply<Registered>;
+
+/// `registry.unregister`: a connection ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct UnregisterAgent {
+    /// Always 1.
+    pub version: V1,
+    /// The client's id.
+    pub agent_id: String,
+    /// The connection that ended; nothing happens if another connection holds the id now.
+    pub connection_id: String,
+    /// Why (closed by client, liveness timeout, gateway shutdown, …).
+    pub reason: String,
+}
+
+/// `registry.unregister` reply payload: whether the agent went offline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Unregistered {
+    /// False when the connection no longer held the id.
+    pub went_offline: bool,
+}
+
+/// The `registry.unregister` reply.
+pub type UnregisterReply = Reply<Unregistered>;
+
+/// `registry.get`: one agent by id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GetAgent {
+    /// Always 1.
+    pub version: V1,
+    /// The agent's id.
+    pub agent_id: String,
+}
+
+/// The `registry.get` reply (error `NOT_FOUND` for an unknown id).
+pub type GetAgentReply = Reply<AgentRecord>;
+
+/// `registry.lookup`: available, live agents with every listed capability.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct LookupAgents {
+    /// Always 1.
+    pub version: V1,
+    /// Required capabilities (all of them); empty matches any agent.
+    #[serde(default)]
+    pub capabilities: Vec<String>,
+    /// Only agents of this type (default: devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_type: Option<ClientType>,
+    /// At most this many (default 10, at most 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// The `registry.lookup` reply: least loaded first.
+pub type LookupReply = Reply<Vec<AgentRecord>>;
+
+/// What the registry knows of one agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AgentRecord {
+    /// The agent's id.
+    pub agent_id: String,
+    /// Device or constellation.
+    pub client_type: ClientType,
+    /// Availability.
+    pub status: AgentStatus,
+    /// Device platform.
+    pub platform: Platform,
+    /// Capabilities.
+    pub capabilities: Vec<String>,
+    /// Advertised tools.
+    pub tools: Vec<McpToolInfo>,
+    /// REGISTER `metadata.system_info`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_info: Option<Value>,
+    /// REGISTER `metadata`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+    /// Negotiated extensions.
+    pub extensions: Vec<Extension>,
+    /// For a constellation: its REGISTER `target_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_id: Option<String>,
+    /// The gateway holding the connection (last holder when offline).
+    pub gateway_id: String,
+    /// The connection (last one when offline).
+    pub connection_id: String,
+    /// Tasks running on it now (maintained by the session service).
+    pub load: i32,
+    /// When the current (or last) connection registered.
+    pub connected_at: DateTime<Utc>,
+    /// Last sign of life.
+    pub last_seen: DateTime<Utc>,
+}
+
+/// `presence.{gateway}`: a gateway's periodic liveness report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PresenceBatch {
+    /// Always 1.
+    pub version: V1,
+    /// The reporting gateway.
+    pub gateway_id: String,
+    /// How often this gateway reports, so the registry knows when it is overdue.
+    pub interval_ms: u64,
+    /// Clients (with their connection ids) that showed life since the last batch.
+    pub alive: Vec<PresenceEntry>,
+    /// Set on the gateway's last batch before a graceful exit: all its agents go offline.
+    #[serde(default)]
+    pub stopping: bool,
+}
+
+/// One live connection in a [`PresenceBatch`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PresenceEntry {
+    /// The client's id.
+    pub agent_id: String,
+    /// Its connection.
+    pub connection_id: String,
+}

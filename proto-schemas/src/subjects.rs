@@ -1,0 +1,357 @@
+//! The NATS subject catalogue.
+//!
+//! Every subject starts with one configurable prefix (default `aip`), so tests and tenants
+//! share a NATS server without seeing each other. Ids that come from clients (`client_id`,
+//! `session_id`, `task_name`, gateway ids) can contain `.`, `*`, `>`, spaces and anything else,
+//! so they are never put into a subject raw: [`encode_token`] turns any string into one safe
+//! subject token, and [`decode_token`] turns it back.
+//!
+//! The subjects themselves, with their payloads, publishers and consumers, are listed in
+//! [`CATALOGUE`], from which the AsyncAPI document is generated.
+
+/// The default subject prefix.
+pub const DEFAULT_PREFIX: &str = "aip";
+
+/// Escape character of [`encode_token`].
+const ESCAPE: u8 = b'~';
+
+/// Encodes any string as one NATS subject token, reversibly.
+///
+/// Bytes `A-Z a-z 0-9 _ -` stay as they are; every other byte of the UTF-8 form (including the
+/// escape character `~`) becomes `~` and two upper-case hex digits. The empty string becomes
+/// a lone `~`, which nothing else encodes to. The result is never empty and contains no `.`,
+/// `*`, `>`, whitespace or non-ASCII character.
+///
+/// ```
+/// use proto_schemas::subjects::{encode_token, decode_token};
+/// assert_eq!(encode_token("pc-1"), "pc-1");
+/// assert_eq!(encode_token("task.1@pc 2"), "task~2E1~40pc~202");
+/// assert_eq!(decode_token("task~2E1~40pc~202").as_deref(), Some("task.1@pc 2"));
+/// ```
+pub fn encode_token(id: &str) -> String {
+    if id.is_empty() {
+        return "~".to_owned();
+    }
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = String::with_capacity(id.len());
+    for &b in id.as_bytes() {
+        if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
+            out.push(b as char);
+        } else {
+            out.push(ESCAPE as char);
+            out.push(HEX[(b >> 4) as usize] as char);
+            out.push(HEX[(b & 0xF) as usize] as char);
+        }
+    }
+    out
+}
+
+/// Decodes a token made by [`encode_token`]; `None` if it is not one (only canonical
+/// encodings are accepted, so every id has exactly one token).
+pub fn decode_token(token: &str) -> Option<String> {
+    if token == "~" {
+        return Some(String::new());
+    }
+    let bytes = token.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == ESCAPE {
+            let hi = hex_digit(*bytes.get(i + 1)?)?;
+            let lo = hex_digit(*bytes.get(i + 2)?)?;
+            let decoded = (hi << 4) | lo;
+            if decoded.is_ascii_alphanumeric() || decoded == b'_' || decoded == b'-' {
+                return None; // not canonical: this byte is never escaped
+            }
+            out.push(decoded);
+            i += 3;
+        } else if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
+            out.push(b);
+            i += 1;
+        } else {
+            return None;
+        }
+    }
+    if out.is_empty() {
+        return None;
+    }
+    String::from_utf8(out).ok()
+}
+
+fn hex_digit(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Whether `token` is a valid single NATS subject token: non-empty, printable ASCII, without
+/// `.`, `*`, `>` or whitespace.
+pub fn is_valid_token(token: &str) -> bool {
+    !token.is_empty()
+        && token
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'.' && b != b'*' && b != b'>')
+}
+
+/// Why a subject prefix was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid subject prefix `{prefix}`: use one or more dot-separated tokens of A-Z a-z 0-9 _ - (for example `aip` or `tenant1.aip`)"
+)]
+pub struct InvalidPrefix {
+    /// The refused prefix.
+    pub prefix: String,
+}
+
+/// How a subject is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pattern {
+    /// Fire-and-forget publish on core NATS.
+    Publish,
+    /// Request/reply on core NATS; the service subscribes in a queue group.
+    RequestReply,
+    /// Published into a JetStream stream and consumed by a durable consumer with explicit acks.
+    JetStream,
+}
+
+/// One entry of the subject catalogue.
+#[derive(Debug, Clone, Copy)]
+pub struct SubjectSpec {
+    /// Stable name (AsyncAPI channel id).
+    pub name: &'static str,
+    /// The subject after the prefix; `{client}`-style parts are encoded tokens.
+    pub template: &'static str,
+    /// How it is used.
+    pub pattern: Pattern,
+    /// The payload's schema name (a file under `proto-schemas/schemas/`).
+    pub payload: &'static str,
+    /// The reply's schema name, for request/reply subjects.
+    pub reply: Option<&'static str>,
+    /// Who publishes.
+    pub publishers: &'static [&'static str],
+    /// Who consumes (and the queue group, where there is one).
+    pub consumers: &'static [&'static str],
+    /// What it carries and why.
+    pub description: &'static str,
+}
+
+/// Every subject the broker uses.
+pub const CATALOGUE: &[SubjectSpec] = &[
+    SubjectSpec {
+        name: "deliver",
+        template: "deliver.{client}",
+        pattern: Pattern::Publish,
+        payload: "ServerMessage",
+        reply: None,
+        publishers: &["aip-sessions", "aip-gateway"],
+        consumers: &["aip-gateway (the one holding the client's socket)"],
+        description: "Frames for one client: whatever is published here is written to that client's \
+            WebSocket by the gateway that holds it. A message with header `Aip-Control: disconnect` and \
+            `Aip-Connection: <connection id>` closes that connection instead (used when a credential \
+            takes over its own stale registration).",
+    },
+    SubjectSpec {
+        name: "registry.register",
+        template: "registry.register",
+        pattern: Pattern::RequestReply,
+        payload: "RegisterAgent",
+        reply: Some("RegisterReply"),
+        publishers: &["aip-gateway"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "Register a connected client. Refused (REGISTRATION_FAILED, UFO's text) when the id \
+            is live on another connection; an entry left by a dead gateway is replaced.",
+    },
+    SubjectSpec {
+        name: "registry.unregister",
+        template: "registry.unregister",
+        pattern: Pattern::RequestReply,
+        payload: "UnregisterAgent",
+        reply: Some("UnregisterReply"),
+        publishers: &["aip-gateway"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "A client's connection ended: mark it offline (only if that connection still holds it).",
+    },
+    SubjectSpec {
+        name: "registry.get",
+        template: "registry.get",
+        pattern: Pattern::RequestReply,
+        payload: "GetAgent",
+        reply: Some("GetAgentReply"),
+        publishers: &["aip-gateway", "aip-sessions"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "One agent by id (device info requests, explicit task targets).",
+    },
+    SubjectSpec {
+        name: "registry.lookup",
+        template: "registry.lookup",
+        pattern: Pattern::RequestReply,
+        payload: "LookupAgents",
+        reply: Some("LookupReply"),
+        publishers: &["aip-sessions"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "Available, live agents with all the given capabilities, least loaded first.",
+    },
+    SubjectSpec {
+        name: "presence",
+        template: "presence.{gateway}",
+        pattern: Pattern::Publish,
+        payload: "PresenceBatch",
+        reply: None,
+        publishers: &["aip-gateway"],
+        consumers: &["aip-registry"],
+        description: "Liveness in batches: every interval each gateway lists the clients it holds that \
+            showed life. The batch is also the gateway's own heartbeat: a gateway silent past the \
+            liveness window is taken as dead and its agents go offline.",
+    },
+];
+
+/// Builds subjects under one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+}
+
+impl Default for Subjects {
+    fn default() -> Self {
+        Subjects {
+            prefix: DEFAULT_PREFIX.to_owned(),
+        }
+    }
+}
+
+impl Subjects {
+    /// Subjects under `prefix`, which must be dot-separated tokens of `A-Z a-z 0-9 _ -`.
+    pub fn new(prefix: &str) -> Result<Self, InvalidPrefix> {
+        let ok = !prefix.is_empty()
+            && prefix.split('.').all(|t| {
+                !t.is_empty()
+                    && t.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            });
+        if ok {
+            Ok(Subjects {
+                prefix: prefix.to_owned(),
+            })
+        } else {
+            Err(InvalidPrefix {
+                prefix: prefix.to_owned(),
+            })
+        }
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn join(&self, rest: &str) -> String {
+        format!("{}.{rest}", self.prefix)
+    }
+
+    /// `deliver.{client}`: frames for one client.
+    pub fn deliver(&self, client_id: &str) -> String {
+        self.join(&format!("deliver.{}", encode_token(client_id)))
+    }
+
+    /// `registry.register`.
+    pub fn registry_register(&self) -> String {
+        self.join("registry.register")
+    }
+
+    /// `registry.unregister`.
+    pub fn registry_unregister(&self) -> String {
+        self.join("registry.unregister")
+    }
+
+    /// `registry.get`.
+    pub fn registry_get(&self) -> String {
+        self.join("registry.get")
+    }
+
+    /// `registry.lookup`.
+    pub fn registry_lookup(&self) -> String {
+        self.join("registry.lookup")
+    }
+
+    /// `presence.{gateway}`: one gateway's presence batches.
+    pub fn presence(&self, gateway_id: &str) -> String {
+        self.join(&format!("presence.{}", encode_token(gateway_id)))
+    }
+
+    /// `presence.*`: every gateway's presence batches.
+    pub fn presence_all(&self) -> String {
+        self.join("presence.*")
+    }
+
+    /// The full subject of a catalogue entry, with `{…}` parts left as written (for docs).
+    pub fn documented(&self, spec: &SubjectSpec) -> String {
+        self.join(spec.template)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn any_string_round_trips_as_one_valid_token(s in any::<String>()) {
+            let token = encode_token(&s);
+            prop_assert!(is_valid_token(&token), "{token:?} is not a valid token");
+            prop_assert_eq!(decode_token(&token), Some(s));
+        }
+
+        #[test]
+        fn tricky_strings_round_trip(s in "[.*> /@~\\t😀a-z]{0,40}") {
+            let token = encode_token(&s);
+            prop_assert!(is_valid_token(&token));
+            prop_assert_eq!(decode_token(&token), Some(s));
+        }
+
+        #[test]
+        fn decoding_garbage_never_panics(s in any::<String>()) {
+            if let Some(id) = decode_token(&s) {
+                prop_assert_eq!(encode_token(&id), s);
+            }
+        }
+    }
+
+    #[test]
+    fn named_tricky_ids() {
+        for id in [
+            "a.b",
+            "*",
+            ">",
+            "a b",
+            "a/b",
+            "task@device",
+            "😀",
+            "~",
+            "~41",
+            "",
+            &"x".repeat(10_000),
+        ] {
+            let token = encode_token(id);
+            assert!(is_valid_token(&token));
+            assert_eq!(decode_token(&token).as_deref(), Some(id));
+        }
+        assert_eq!(decode_token("~41"), None, "A is never escaped");
+        assert_eq!(decode_token("~2e"), None, "lower-case hex is not canonical");
+    }
+
+    #[test]
+    fn subjects_use_the_prefix_and_encode_ids() {
+        let s = Subjects::new("t1.aip").expect("valid prefix");
+        assert_eq!(s.deliver("a.b"), "t1.aip.deliver.a~2Eb");
+        assert_eq!(s.registry_register(), "t1.aip.registry.register");
+        assert!(Subjects::new("a..b").is_err());
+        assert!(Subjects::new("a.*").is_err());
+        assert!(Subjects::new("").is_err());
+    }
+}
