@@ -1,1 +1,117 @@
-//! placeholder
+//! # aip-bus: the message bus behind aip's services
+//!
+//! One [`Bus`] trait, two implementations:
+//! - [`NatsBus`]: NATS core for publish/subscribe and request/reply, JetStream for messages
+//!   that must not be lost (the distributed mode);
+//! - [`LocalBus`]: an in-process bus with the same semantics (subject wildcards, queue groups,
+//!   request/reply with no-responder detection, bounded subscriber queues), for `aip dev` and
+//!   for tests that do not need a broker.
+//!
+//! Messages carry [`Headers`] from the start: W3C `traceparent` for tracing and `Nats-Msg-Id`
+//! for de-duplication travel on every message that has them.
+
+mod error;
+mod headers;
+mod local;
+mod nats;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+
+pub use error::BusError;
+pub use headers::{Headers, names};
+pub use local::LocalBus;
+pub use nats::NatsBus;
+
+/// A message as delivered to a subscriber.
+#[derive(Debug, Clone)]
+pub struct Message {
+    /// The subject it was published on.
+    pub subject: String,
+    /// Where to send the answer, for requests.
+    pub reply: Option<String>,
+    /// Its headers.
+    pub headers: Headers,
+    /// Its body.
+    pub payload: Bytes,
+}
+
+/// A stream of messages from a subscription. Dropping it unsubscribes.
+pub type Subscription = BoxStream<'static, Message>;
+
+/// A handle shared by every part of a service.
+pub type SharedBus = std::sync::Arc<dyn Bus>;
+
+/// What every bus offers.
+///
+/// Semantics follow NATS core: publishes are fire-and-forget and at most once; a subscriber
+/// that cannot keep up loses messages (and a warning is logged) instead of growing memory;
+/// a request with nobody subscribed fails at once with [`BusError::NoResponders`], one with a
+/// silent responder with [`BusError::Timeout`].
+pub trait Bus: Send + Sync + 'static {
+    /// Publishes a message.
+    fn publish(&self, subject: String, headers: Headers, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>>;
+
+    /// Sends a request and waits for the first reply, at most `timeout`.
+    fn request(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<Message, BusError>>;
+
+    /// Subscribes to a subject (wildcards `*` and `>` allowed).
+    fn subscribe(&self, subject: String) -> BoxFuture<'_, Result<Subscription, BusError>>;
+
+    /// Subscribes as a member of a queue group: each message goes to one member.
+    fn queue_subscribe(&self, subject: String, group: String) -> BoxFuture<'_, Result<Subscription, BusError>>;
+
+    /// Waits until everything published so far has reached the server (NATS flush);
+    /// used before shutdown.
+    fn flush(&self) -> BoxFuture<'_, Result<(), BusError>>;
+
+    /// Largest payload the bus carries; bigger bodies must travel by reference.
+    fn max_payload(&self) -> usize;
+}
+
+/// Answers a request message (publishes to its reply subject). A message without a reply
+/// subject is not a request: that is a caller error, reported as [`BusError::NoReplySubject`].
+pub async fn respond(bus: &dyn Bus, request: &Message, headers: Headers, payload: Bytes) -> Result<(), BusError> {
+    let reply = request.reply.clone().ok_or_else(|| BusError::NoReplySubject { subject: request.subject.clone() })?;
+    bus.publish(reply, headers, payload).await
+}
+
+/// Whether `subject` matches `pattern` (`*` one token, `>` one or more trailing tokens).
+pub fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut p = pattern.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (p.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(pt), Some(st)) if pt == st => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn wildcards() {
+        assert!(subject_matches("a.b", "a.b"));
+        assert!(subject_matches("a.*", "a.b"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.>", "a"));
+        assert!(!subject_matches("a.b", "a.c"));
+        assert!(!subject_matches("a.b", "a.b.c"));
+    }
+}

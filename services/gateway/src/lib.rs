@@ -1,1 +1,229 @@
-//! placeholder
+//! # aip-gateway: the WebSocket gateway
+//!
+//! Terminates AIP WebSockets on `/ws`, pins each connection to the identity it registered,
+//! answers heartbeats and device-info requests itself, writes whatever arrives on a client's
+//! delivery subject to its socket, and reports presence to the registry in batches. It keeps
+//! no task state, so any number of gateways run side by side on one NATS.
+//!
+//! [`Application::build`] binds the listener (port 0 in tests) and
+//! [`Application::run_until`] serves until the given shutdown future completes, then closes
+//! every socket with 1001 so clients reconnect elsewhere.
+
+pub mod auth;
+pub mod connection;
+pub mod presence;
+pub mod rate;
+pub mod settings;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aip_bus::SharedBus;
+use axum::Router;
+use axum::extract::{Query, State, WebSocketUpgrade};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use proto_schemas::{ErrorBody, ErrorCode, Subjects};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use auth::{Credentials, Principal};
+pub use settings::{GatewaySettings, Settings};
+
+/// Shared by every connection.
+pub struct AppState {
+    /// Configuration.
+    pub settings: Settings,
+    /// This gateway's id.
+    pub gateway_id: String,
+    /// The bus.
+    pub bus: SharedBus,
+    /// Subjects under the configured prefix.
+    pub subjects: Subjects,
+    /// Who may connect.
+    pub credentials: Credentials,
+    /// Registered connections, for presence.
+    pub presence: Arc<presence::PresenceTable>,
+    /// Cancelled when the gateway shuts down.
+    pub shutdown: CancellationToken,
+    connections: Arc<Semaphore>,
+    tracker: TaskTracker,
+}
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Bad configuration.
+    #[error("{0}")]
+    Config(String),
+    /// The listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// A gateway, bound and ready to serve.
+pub struct Application {
+    listener: TcpListener,
+    state: Arc<AppState>,
+}
+
+impl Application {
+    /// Validates settings, loads credentials and binds the listener.
+    pub async fn build(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
+        let subjects = Subjects::new(&settings.subject_prefix).map_err(|e| StartError::Config(e.to_string()))?;
+        let credentials = match &settings.gateway.credentials_file {
+            Some(path) => Credentials::load(path).map_err(|e| StartError::Config(e.to_string()))?,
+            None => Credentials::disabled(),
+        };
+        let listen = settings.gateway.listen;
+        if !credentials.enabled() && !listen.ip().is_loopback() && !settings.gateway.allow_no_auth {
+            return Err(StartError::Config(format!(
+                "refusing to listen on {listen} without credentials: set gateway.credentials_file, \
+                 or gateway.allow_no_auth = true (AIP_GATEWAY__ALLOW_NO_AUTH=true) for a trusted network"
+            )));
+        }
+        if settings.gateway.outbound_queue == 0 || settings.gateway.max_connections == 0 {
+            return Err(StartError::Config("gateway.outbound_queue and gateway.max_connections must be at least 1".into()));
+        }
+        let listener = TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen, source })?;
+        let gateway_id = settings.gateway.gateway_id.clone().unwrap_or_else(default_gateway_id);
+        let state = Arc::new(AppState {
+            connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
+            settings,
+            gateway_id,
+            bus,
+            subjects,
+            credentials,
+            presence: Arc::new(presence::PresenceTable::default()),
+            shutdown: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+        });
+        Ok(Application { listener, state })
+    }
+
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().unwrap_or_else(|_| self.state.settings.gateway.listen)
+    }
+
+    /// This gateway's id.
+    pub fn gateway_id(&self) -> &str {
+        &self.state.gateway_id
+    }
+
+    /// The router, for embedding the gateway in another server (`aip dev`).
+    pub fn router(&self) -> Router {
+        router(self.state.clone())
+    }
+
+    /// Serves until `shutdown` completes; then stops accepting, closes every socket with 1001,
+    /// sends the last presence batch and waits up to the grace period for connections to end.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+        let state = self.state.clone();
+        let presence = tokio::spawn(presence::run(
+            state.bus.clone(),
+            state.subjects.clone(),
+            state.gateway_id.clone(),
+            state.presence.clone(),
+            Duration::from_millis(state.settings.gateway.presence_interval_ms),
+            state.shutdown.child_token(),
+        ));
+        tracing::info!(addr = %self.local_addr(), gateway = %state.gateway_id, "gateway listening");
+        let token = state.shutdown.clone();
+        let stop = async move {
+            shutdown.await;
+            token.cancel();
+        };
+        let served = axum::serve(self.listener, router(state.clone()).into_make_service())
+            .with_graceful_shutdown(stop)
+            .await;
+        state.shutdown.cancel();
+        state.tracker.close();
+        let grace = Duration::from_millis(state.settings.gateway.shutdown_grace_ms);
+        if tokio::time::timeout(grace, state.tracker.wait()).await.is_err() {
+            tracing::warn!("{} connections still open after the grace period; exiting anyway", state.tracker.len());
+        }
+        let _ = tokio::time::timeout(grace, presence).await;
+        if let Err(e) = state.bus.flush().await {
+            tracing::warn!("could not flush the bus: {e}");
+        }
+        served
+    }
+}
+
+fn default_gateway_id() -> String {
+    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "gateway".to_owned());
+    format!("{host}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/ws", get(websocket))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(state)
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    if state.shutdown.is_cancelled() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+    }
+    match state.bus.flush().await {
+        Ok(()) => "ready".into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("bus unavailable: {e}")).into_response(),
+    }
+}
+
+fn refuse(status: StatusCode, code: ErrorCode, detail: impl Into<String>) -> Response {
+    (status, axum::Json(ErrorBody::new(code, detail))).into_response()
+}
+
+/// The handshake: authenticate, admit within the connection limit, upgrade.
+async fn websocket(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    upgrade: WebSocketUpgrade,
+) -> Response {
+    if state.shutdown.is_cancelled() {
+        return refuse(StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable, "gateway shutting down; connect to another");
+    }
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let token = query.get("token").map(String::as_str).or(bearer);
+    let Some(principal) = state.credentials.authenticate(token) else {
+        let detail = if token.is_some() { "invalid token" } else { "a token is required: ws://HOST/ws?token=KEY or Authorization: Bearer KEY" };
+        return refuse(StatusCode::FORBIDDEN, ErrorCode::Unauthorized, detail);
+    };
+    let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable,
+            format!("connection limit of {} reached; try another gateway", state.settings.gateway.max_connections),
+        );
+    };
+    let max = state.settings.gateway.max_frame_bytes;
+    let tracker = state.tracker.clone();
+    upgrade
+        .max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| {
+            tracker.track_future(async move {
+                connection::serve(socket, state, principal).await;
+                drop(permit);
+            })
+        })
+}

@@ -1,0 +1,55 @@
+//! Errors of the bus.
+
+/// Why a bus operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    /// Nobody is subscribed to the request's subject: the service is not running.
+    #[error("no service answers on `{subject}`: is the service that handles it running?")]
+    NoResponders {
+        /// The request subject.
+        subject: String,
+    },
+    /// A responder exists but did not answer in time.
+    #[error("no answer on `{subject}` within {timeout:?}: the service is overloaded or stuck")]
+    Timeout {
+        /// The request subject.
+        subject: String,
+        /// How long we waited.
+        timeout: std::time::Duration,
+    },
+    /// The payload is larger than the bus carries.
+    #[error("payload of {size} bytes exceeds the bus limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// The payload's size.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// Replying to a message that is not a request.
+    #[error("message on `{subject}` has no reply subject")]
+    NoReplySubject {
+        /// The message's subject.
+        subject: String,
+    },
+    /// The connection to the bus failed.
+    #[error("cannot connect to NATS at {url}: {source}; is nats-server running (with -js)?")]
+    Connect {
+        /// The server URL.
+        url: String,
+        /// The cause.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The bus has been shut down.
+    #[error("the bus is closed")]
+    Closed,
+    /// Any other failure from the NATS client.
+    #[error("NATS {operation} on `{subject}` failed: {source}")]
+    Nats {
+        /// What we tried.
+        operation: &'static str,
+        /// The subject involved.
+        subject: String,
+        /// The cause.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}

@@ -1,0 +1,77 @@
+//! Message headers.
+
+/// Header names used across aip.
+pub mod names {
+    /// W3C trace context, so one task is one trace across services.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// W3C trace state.
+    pub const TRACESTATE: &str = "tracestate";
+    /// JetStream de-duplication id.
+    pub const MSG_ID: &str = "Nats-Msg-Id";
+    /// An [`proto_schemas::ErrorCode`] on error replies.
+    pub const ERROR_CODE: &str = "Aip-Error-Code";
+    /// A control instruction on a delivery subject (`disconnect`).
+    pub const CONTROL: &str = "Aip-Control";
+    /// The connection a control instruction is about.
+    pub const CONNECTION: &str = "Aip-Connection";
+}
+
+/// An ordered list of header name/value pairs (names compared case-sensitively, like NATS).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Headers(Vec<(String, String)>);
+
+impl Headers {
+    /// No headers.
+    pub fn new() -> Self {
+        Headers(Vec::new())
+    }
+
+    /// Adds a header, replacing an earlier one of the same name.
+    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+        let name = name.into();
+        self.0.retain(|(n, _)| *n != name);
+        self.0.push((name, value.into()));
+        self
+    }
+
+    /// Builder form of [`Headers::insert`].
+    pub fn with(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.insert(name, value);
+        self
+    }
+
+    /// The value of a header.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// All pairs, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+
+    pub(crate) fn to_nats(&self) -> async_nats::HeaderMap {
+        let mut map = async_nats::HeaderMap::new();
+        for (n, v) in &self.0 {
+            map.insert(n.as_str(), v.as_str());
+        }
+        map
+    }
+
+    pub(crate) fn from_nats(map: Option<&async_nats::HeaderMap>) -> Self {
+        let mut headers = Headers::new();
+        if let Some(map) = map {
+            for (name, values) in map.iter() {
+                if let Some(v) = values.first() {
+                    headers.0.push((name.to_string(), v.as_str().to_owned()));
+                }
+            }
+        }
+        headers
+    }
+}

@@ -1,0 +1,215 @@
+//! The in-process bus.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
+use tokio::sync::mpsc;
+
+use crate::{Bus, BusError, Headers, Message, Subscription, subject_matches};
+
+/// Default bound of each subscriber's queue.
+const DEFAULT_CAPACITY: usize = 8192;
+
+/// An in-process bus with NATS core semantics, for `aip dev` and tests.
+///
+/// Each subscription has a bounded queue; when it is full, further messages for it are dropped
+/// and a warning is logged (a slow consumer, as NATS would treat it). There is no payload
+/// limit, but [`Bus::max_payload`] reports a configurable one so that the large-body path is
+/// exercised the same way as on NATS.
+#[derive(Clone)]
+pub struct LocalBus {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    exact: RwLock<HashMap<String, Vec<Sub>>>,
+    wildcard: RwLock<Vec<(String, Sub)>>,
+    next_id: AtomicU64,
+    round_robin: AtomicUsize,
+    capacity: usize,
+    max_payload: usize,
+}
+
+#[derive(Clone)]
+struct Sub {
+    id: u64,
+    group: Option<String>,
+    tx: mpsc::Sender<Message>,
+}
+
+impl Default for LocalBus {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LocalBus {
+    /// A bus with default queue bounds and a 1 MiB reported payload limit (NATS's default).
+    pub fn new() -> Self {
+        Self::with_limits(DEFAULT_CAPACITY, 1024 * 1024)
+    }
+
+    /// A bus with the given per-subscription queue bound and reported payload limit.
+    pub fn with_limits(capacity: usize, max_payload: usize) -> Self {
+        LocalBus {
+            inner: Arc::new(Inner {
+                exact: RwLock::new(HashMap::new()),
+                wildcard: RwLock::new(Vec::new()),
+                next_id: AtomicU64::new(1),
+                round_robin: AtomicUsize::new(0),
+                capacity,
+                max_payload,
+            }),
+        }
+    }
+
+    fn add(&self, subject: String, group: Option<String>) -> Subscription {
+        let (tx, rx) = mpsc::channel(self.inner.capacity);
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let sub = Sub { id, group, tx };
+        let wildcard = subject.split('.').any(|t| t == "*" || t == ">");
+        if wildcard {
+            write(&self.inner.wildcard).push((subject.clone(), sub));
+        } else {
+            write(&self.inner.exact).entry(subject.clone()).or_default().push(sub);
+        }
+        LocalSubscription { rx, id, subject, wildcard, bus: Arc::downgrade(&self.inner) }.boxed()
+    }
+
+    /// Delivers a message; returns how many subscribers received it.
+    fn deliver(&self, message: Message) -> usize {
+        let mut targets: Vec<Sub> = Vec::new();
+        if let Some(subs) = read(&self.inner.exact).get(&message.subject) {
+            targets.extend(subs.iter().cloned());
+        }
+        for (pattern, sub) in read(&self.inner.wildcard).iter() {
+            if subject_matches(pattern, &message.subject) {
+                targets.push(sub.clone());
+            }
+        }
+        let mut delivered = 0;
+        let mut groups: HashMap<&str, Vec<&Sub>> = HashMap::new();
+        for sub in &targets {
+            match &sub.group {
+                Some(g) => groups.entry(g.as_str()).or_default().push(sub),
+                None => delivered += usize::from(self.offer(sub, &message)),
+            }
+        }
+        for members in groups.values() {
+            let start = self.inner.round_robin.fetch_add(1, Ordering::Relaxed);
+            for i in 0..members.len() {
+                let member = members[(start + i) % members.len()];
+                if !member.tx.is_closed() {
+                    delivered += usize::from(self.offer(member, &message));
+                    break;
+                }
+            }
+        }
+        delivered
+    }
+
+    fn offer(&self, sub: &Sub, message: &Message) -> bool {
+        match sub.tx.try_send(message.clone()) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tracing::warn!(subject = %message.subject, capacity = self.inner.capacity, "slow consumer: its queue is full, message dropped");
+                true
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+struct LocalSubscription {
+    rx: mpsc::Receiver<Message>,
+    id: u64,
+    subject: String,
+    wildcard: bool,
+    bus: Weak<Inner>,
+}
+
+impl Stream for LocalSubscription {
+    type Item = Message;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Message>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+impl Drop for LocalSubscription {
+    fn drop(&mut self) {
+        let Some(inner) = self.bus.upgrade() else { return };
+        if self.wildcard {
+            write(&inner.wildcard).retain(|(_, sub)| sub.id != self.id);
+        } else {
+            let mut exact = write(&inner.exact);
+            if let Some(subs) = exact.get_mut(&self.subject) {
+                subs.retain(|sub| sub.id != self.id);
+                if subs.is_empty() {
+                    exact.remove(&self.subject);
+                }
+            }
+        }
+    }
+}
+
+impl Bus for LocalBus {
+    fn publish(&self, subject: String, headers: Headers, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        self.deliver(Message { subject, reply: None, headers, payload });
+        futures::future::ready(Ok(())).boxed()
+    }
+
+    fn request(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> BoxFuture<'_, Result<Message, BusError>> {
+        async move {
+            let inbox = format!("_INBOX.{}", uuid::Uuid::new_v4().simple());
+            let mut replies = self.add(inbox.clone(), None);
+            let delivered = self.deliver(Message { subject: subject.clone(), reply: Some(inbox), headers, payload });
+            if delivered == 0 {
+                return Err(BusError::NoResponders { subject });
+            }
+            match tokio::time::timeout(timeout, replies.next()).await {
+                Ok(Some(reply)) => Ok(reply),
+                Ok(None) => Err(BusError::Closed),
+                Err(_) => Err(BusError::Timeout { subject, timeout }),
+            }
+        }
+        .boxed()
+    }
+
+    fn subscribe(&self, subject: String) -> BoxFuture<'_, Result<Subscription, BusError>> {
+        futures::future::ready(Ok(self.add(subject, None))).boxed()
+    }
+
+    fn queue_subscribe(&self, subject: String, group: String) -> BoxFuture<'_, Result<Subscription, BusError>> {
+        futures::future::ready(Ok(self.add(subject, Some(group)))).boxed()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<(), BusError>> {
+        futures::future::ready(Ok(())).boxed()
+    }
+
+    fn max_payload(&self) -> usize {
+        self.inner.max_payload
+    }
+}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The project's test command:  ./scripts/test.sh [extra arguments for cargo test]
+#
+#   1. scripts/ensure-services.sh  (NATS with JetStream, PostgreSQL; starts or installs them)
+#   2. cargo test --workspace --locked [args]   (without --workspace when args pick packages with -p)
+#   3. validates proto-schemas/asyncapi.json with the AsyncAPI parser
+#      (scripts/validate-asyncapi, installed with `npm ci` on first use)
+#
+# Environment (defaults are used only when the variable is unset):
+#   NATS_URL       nats://127.0.0.1:4222
+#   DATABASE_URL   postgres://postgres@127.0.0.1:5432/postgres
+#   SQLX_OFFLINE   true: sqlx's query macros read the committed .sqlx/ data instead of
+#                  checking queries against DATABASE_URL at build time (set false to override)
+# Works from any directory.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+step() { printf '\n==> %s\n' "$*"; }
+die() {
+  printf 'test.sh: ERROR: %s\n' "$1" >&2
+  shift
+  local line
+  for line in "$@"; do printf '  %s\n' "$line" >&2; done
+  exit 1
+}
+
+export NATS_URL="${NATS_URL:-nats://127.0.0.1:4222}"
+export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+export SQLX_OFFLINE="${SQLX_OFFLINE:-true}"
+# No telemetry, update checks or ads from npm and its packages.
+export SCARF_ANALYTICS=false DO_NOT_TRACK=1 NO_UPDATE_NOTIFIER=1
+export npm_config_update_notifier=false npm_config_fund=false npm_config_audit=false
+
+VALIDATOR_DIR="scripts/validate-asyncapi"
+ASYNCAPI_DOC="proto-schemas/asyncapi.json"
+
+step "services (scripts/ensure-services.sh)"
+scripts/ensure-services.sh
+
+# `--workspace` would override a package selection (-p/--package) given as an argument.
+scope=(--workspace)
+for arg in "$@"; do
+  case "$arg" in
+    --) break ;;
+    -p | -p?* | --package | --package=*) scope=() ;;
+  esac
+done
+step "cargo test${scope[*]:+ ${scope[*]}} --locked $*"
+printf 'NATS_URL=%s DATABASE_URL=%s SQLX_OFFLINE=%s\n' "$NATS_URL" "$DATABASE_URL" "$SQLX_OFFLINE"
+cargo test "${scope[@]}" --locked "$@"
+
+step "AsyncAPI validation ($ASYNCAPI_DOC)"
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "node/npm not found: installing Debian's nodejs and npm"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=300 update -qq ||
+      echo "test.sh: WARNING: apt-get update failed; trying the install anyway" >&2
+    apt-get -o DPkg::Lock::Timeout=300 install -y -q nodejs npm ||
+      die "apt-get install nodejs npm failed (see above)."
+  else
+    die "node and npm are needed to validate $ASYNCAPI_DOC but were not found." \
+      "Install Node.js >= 18 with npm (on Debian, as root: apt-get install -y nodejs npm)" \
+      "and run ./scripts/test.sh again."
+  fi
+fi
+node_major="$(node -p 'process.versions.node.split(".")[0]')"
+[[ "$node_major" -ge 18 ]] ||
+  die "Node.js $(node --version) is too old for the AsyncAPI validator; it needs >= 18."
+
+# (Re)install the validator when it is missing or its lock file changed since.
+if [[ ! -f "$VALIDATOR_DIR/node_modules/.package-lock.json" ||
+  "$VALIDATOR_DIR/package-lock.json" -nt "$VALIDATOR_DIR/node_modules/.package-lock.json" ]]; then
+  echo "npm ci --prefix $VALIDATOR_DIR"
+  # --ignore-scripts: no dependency needs an install script (one would only send telemetry).
+  npm ci --prefix "$VALIDATOR_DIR" --no-audit --no-fund --ignore-scripts ||
+    die "npm ci in $VALIDATOR_DIR failed (see above)." \
+      "Check that the npm registry is reachable; delete $VALIDATOR_DIR/node_modules and retry."
+fi
+node "$VALIDATOR_DIR/validate.mjs" "$ASYNCAPI_DOC"
+
+step "all tests passed"

@@ -1,0 +1,506 @@
+//! One client connection: REGISTER, then frames in both directions until it ends.
+//!
+//! The socket is split: a writer task drains a bounded outbound queue into the socket; the
+//! connection task reads frames, answers what the gateway answers itself (heartbeats, device
+//! info, identity errors) and forwards the rest. Whatever arrives on the client's delivery
+//! subject is put on the outbound queue. A client that lets the queue fill up is disconnected.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aip_bus::{BusError, Headers, Message as BusMessage, names};
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
+use futures::{SinkExt, StreamExt};
+use proto_schemas::registry::{
+    AgentStatus, GetAgent, GetAgentReply, RegisterAgent, RegisterReply, UnregisterAgent, UnregisterReply,
+};
+use proto_schemas::{
+    ClientMessage, ClientMessageType, ClientType, ErrorCode, Extension, ServerMessage, V1, parse_client_frame,
+    register_details, server,
+};
+use tokio::sync::mpsc;
+
+use crate::AppState;
+use crate::auth::Principal;
+use crate::rate::RateLimiter;
+
+/// WebSocket close codes used by the gateway.
+pub mod close {
+    /// Normal closure (after a refused registration, as UFO does).
+    pub const NORMAL: u16 = 1000;
+    /// Going away: the gateway shuts down; reconnect elsewhere.
+    pub const GOING_AWAY: u16 = 1001;
+    /// Protocol error.
+    pub const PROTOCOL: u16 = 1002;
+    /// Policy violation: identity, slow consumer, rate.
+    pub const POLICY: u16 = 1008;
+    /// A frame over the size limit.
+    pub const TOO_BIG: u16 = 1009;
+    /// Internal error or a dependency unavailable; try again later.
+    pub const TRY_AGAIN: u16 = 1013;
+}
+
+/// What the writer task is asked to write.
+enum Outbound {
+    Frame(Utf8Bytes),
+    Ping,
+    Close(u16, String),
+}
+
+/// Why a connection ended, for logs and the registry.
+#[derive(Debug)]
+struct Ended {
+    reason: String,
+}
+
+/// The identity pinned to a registered connection.
+#[derive(Debug, Clone)]
+struct Identity {
+    client_id: String,
+    client_type: ClientType,
+    /// For a constellation: the device it registered for (limits device-info requests).
+    target_id: Option<String>,
+    #[allow(dead_code)]
+    extensions: Vec<Extension>,
+}
+
+/// Serves one upgraded WebSocket until it ends.
+pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal) {
+    let connection_id = uuid::Uuid::now_v7().to_string();
+    let (mut sink, mut stream) = socket.split();
+    let (out_tx, mut out_rx) = mpsc::channel::<Outbound>(state.settings.gateway.outbound_queue);
+
+    let writer = tokio::spawn(async move {
+        while let Some(item) = out_rx.recv().await {
+            let result = match item {
+                Outbound::Frame(text) => sink.send(Message::Text(text)).await,
+                Outbound::Ping => sink.send(Message::Ping(Default::default())).await,
+                Outbound::Close(code, reason) => {
+                    let frame = CloseFrame { code, reason: Utf8Bytes::from(reason) };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+            };
+            if result.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+
+    let mut conn = Connection {
+        state: state.clone(),
+        connection_id,
+        principal,
+        out: out_tx,
+        identity: None,
+        limiter: RateLimiter::new(state.settings.gateway.frames_per_second),
+        refused_in_a_row: 0,
+    };
+    let ended = conn.run(&mut stream).await;
+    tracing::debug!(connection = %conn.connection_id, reason = %ended.reason, "connection ended");
+    if let Some(identity) = &conn.identity {
+        state.presence.remove(&conn.connection_id);
+        conn.unregister(identity, &ended.reason).await;
+    }
+    drop(conn);
+    let _ = writer.await;
+}
+
+struct Connection {
+    state: Arc<AppState>,
+    connection_id: String,
+    principal: Principal,
+    out: mpsc::Sender<Outbound>,
+    identity: Option<Identity>,
+    limiter: RateLimiter,
+    refused_in_a_row: u32,
+}
+
+type FrameStream = futures::stream::SplitStream<WebSocket>;
+
+impl Connection {
+    async fn run(&mut self, stream: &mut FrameStream) -> Ended {
+        let settings = self.state.settings.gateway.clone();
+        let shutdown = self.state.shutdown.clone();
+
+        // 1. REGISTER within the deadline.
+        let deadline = Duration::from_millis(settings.register_timeout_ms);
+        let first = tokio::select! {
+            r = tokio::time::timeout(deadline, stream.next()) => r,
+            () = shutdown.cancelled() => {
+                self.close(close::GOING_AWAY, "server shutting down; reconnect");
+                return Ended { reason: "gateway shutting down".into() };
+            }
+        };
+        let first = match first {
+            Err(_) => {
+                let text = format!("no register frame within {} ms of connecting", settings.register_timeout_ms);
+                self.send(server::error(ErrorCode::RegistrationFailed, &text));
+                self.close(close::POLICY, "registration deadline passed");
+                return Ended { reason: text };
+            }
+            Ok(None) => return Ended { reason: "closed before registering".into() },
+            Ok(Some(Err(e))) => return self.read_failed(e),
+            Ok(Some(Ok(message))) => message,
+        };
+        let bytes = match first {
+            Message::Text(text) => text,
+            Message::Binary(_) => {
+                let text = "binary frames are not supported: send each AIP frame as JSON in a text frame";
+                self.send(server::error(ErrorCode::ProtocolError, text));
+                self.close(close::PROTOCOL, "binary frame");
+                return Ended { reason: text.into() };
+            }
+            Message::Close(_) => return Ended { reason: "closed before registering".into() },
+            Message::Ping(_) | Message::Pong(_) => {
+                // Control frames before REGISTER: wait for the real first frame once more.
+                return Box::pin(self.run(stream)).await;
+            }
+        };
+        let (mut deliveries, liveness) = match self.register(bytes.as_str()).await {
+            Ok(ok) => ok,
+            Err(ended) => return ended,
+        };
+
+        // 2. Registered: frames both ways until the end.
+        let liveness_timeout = Duration::from_millis(settings.liveness_timeout_ms);
+        let mut last_activity = Instant::now();
+        let mut ping = tokio::time::interval(Duration::from_millis(settings.ping_interval_ms));
+        ping.tick().await;
+        let mut check = tokio::time::interval(liveness_timeout / 4);
+        check.tick().await;
+        loop {
+            tokio::select! {
+                incoming = stream.next() => {
+                    let message = match incoming {
+                        None => return Ended { reason: "client closed the connection".into() },
+                        Some(Err(e)) => return self.read_failed(e),
+                        Some(Ok(message)) => message,
+                    };
+                    last_activity = Instant::now();
+                    liveness.touch();
+                    match message {
+                        Message::Text(text) => {
+                            if let Some(ended) = self.on_frame(text.as_str()).await {
+                                return ended;
+                            }
+                        }
+                        Message::Binary(_) => {
+                            self.send(server::error(
+                                ErrorCode::ProtocolError,
+                                "binary frames are not supported: send each AIP frame as JSON in a text frame",
+                            ));
+                        }
+                        Message::Close(_) => return Ended { reason: "client closed the connection".into() },
+                        Message::Ping(_) | Message::Pong(_) => {}
+                    }
+                }
+                delivery = deliveries.next() => {
+                    match delivery {
+                        Some(message) => {
+                            if let Some(ended) = self.on_delivery(message) {
+                                return ended;
+                            }
+                        }
+                        None => {
+                            self.close(close::TRY_AGAIN, "message bus connection lost; reconnect");
+                            return Ended { reason: "delivery subscription ended".into() };
+                        }
+                    }
+                }
+                _ = ping.tick() => {
+                    if self.out.try_send(Outbound::Ping).is_err() {
+                        return self.too_slow();
+                    }
+                }
+                _ = check.tick() => {
+                    if last_activity.elapsed() > liveness_timeout {
+                        let text = format!("no frames or pongs for {} s", liveness_timeout.as_secs());
+                        self.close(close::GOING_AWAY, &text);
+                        return Ended { reason: format!("liveness timeout: {text}") };
+                    }
+                }
+                () = shutdown.cancelled() => {
+                    self.close(close::GOING_AWAY, "server shutting down; reconnect");
+                    return Ended { reason: "gateway shutting down".into() };
+                }
+            }
+        }
+    }
+
+    fn read_failed(&self, e: axum::Error) -> Ended {
+        let text = e.to_string();
+        if text.contains("Space limit exceeded") || text.contains("too long") || text.contains("too big") {
+            let limit = self.state.settings.gateway.max_frame_bytes;
+            let reason = format!("frame larger than the limit of {limit} bytes");
+            self.send(server::error(ErrorCode::FrameTooLarge, &reason));
+            self.close(close::TOO_BIG, &reason);
+            return Ended { reason };
+        }
+        Ended { reason: format!("read failed: {text}") }
+    }
+
+    /// Queues a frame for the client. A full queue means the client is not reading: it is
+    /// disconnected by the caller's next check; here the frame is counted as refused.
+    fn send(&self, message: ServerMessage) -> bool {
+        match serde_json::to_string(&message) {
+            Ok(text) => self.out.try_send(Outbound::Frame(Utf8Bytes::from(text))).is_ok(),
+            Err(e) => {
+                tracing::error!("server frame not serialisable: {e}");
+                true
+            }
+        }
+    }
+
+    fn close(&self, code: u16, reason: &str) {
+        // A close must get through even when the queue is full: wait briefly for room.
+        let out = self.out.clone();
+        let reason = reason.to_owned();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(1), out.send(Outbound::Close(code, reason))).await;
+        });
+    }
+
+    fn too_slow(&self) -> Ended {
+        let reason = format!(
+            "outbound queue full ({} frames): the client does not read fast enough",
+            self.state.settings.gateway.outbound_queue
+        );
+        self.close(close::POLICY, "too slow: outbound queue full");
+        Ended { reason }
+    }
+
+    async fn register(&mut self, text: &str) -> Result<(aip_bus::Subscription, Arc<crate::presence::Liveness>), Ended> {
+        let refuse = |this: &Self, code: ErrorCode, text: String, close_code: u16| {
+            this.send(server::error(code, &text));
+            this.close(close_code, "registration refused");
+            Ended { reason: text }
+        };
+        let frame = match parse_client_frame(text.as_bytes()) {
+            Ok(frame) => frame,
+            Err(e) => return Err(refuse(self, e.code, format!("registration refused: {e}"), close::PROTOCOL)),
+        };
+        if frame.kind != ClientMessageType::Register {
+            let text = format!("the first frame must be `register`, got `{}`", frame.kind);
+            return Err(refuse(self, ErrorCode::ProtocolError, text, close::PROTOCOL));
+        }
+        let details = match register_details(&frame) {
+            Ok(d) => d,
+            Err(e) => return Err(refuse(self, e.code, format!("registration refused: {e}"), close::PROTOCOL)),
+        };
+        let client_id = frame.client_id.clone().unwrap_or_default();
+        let client_type = frame.client_type_or_default();
+        if !self.principal.may_register(&client_id, client_type) {
+            let text = format!(
+                "credential `{}` may not register as {} `{client_id}`",
+                self.principal.name,
+                client_type.as_str()
+            );
+            return Err(refuse(self, ErrorCode::Forbidden, text, close::POLICY));
+        }
+        let target_id = frame.target_id.clone().filter(|t| !t.is_empty());
+        let request = RegisterAgent {
+            version: V1,
+            agent_id: client_id.clone(),
+            client_type,
+            gateway_id: self.state.gateway_id.clone(),
+            connection_id: self.connection_id.clone(),
+            principal: self.principal.name.clone(),
+            platform: details.platform,
+            target_id: if client_type == ClientType::Constellation { target_id.clone() } else { None },
+            capabilities: details.capabilities,
+            tools: details.tools,
+            system_info: details.system_info,
+            metadata: frame.metadata.clone().map(serde_json::Value::Object),
+            extensions: details.extensions.clone(),
+        };
+        // Subscribe before confirming, so nothing published right after registration is lost.
+        let subject = self.state.subjects.deliver(&client_id);
+        let deliveries = match self.state.bus.subscribe(subject).await {
+            Ok(s) => s,
+            Err(e) => return Err(refuse(self, ErrorCode::Unavailable, format!("registration failed: {e}"), close::TRY_AGAIN)),
+        };
+        let reply: RegisterReply = match self.request(self.state.subjects.registry_register(), &request).await {
+            Ok(reply) => reply,
+            Err(text) => return Err(refuse(self, ErrorCode::Unavailable, text, close::TRY_AGAIN)),
+        };
+        let registered = match reply.into_result() {
+            Ok(r) => r,
+            Err(body) => return Err(refuse(self, body.error_code, body.detail, close::NORMAL)),
+        };
+        if let Some(old) = registered.replaced_connection {
+            let headers = Headers::new().with(names::CONTROL, "disconnect").with(names::CONNECTION, old);
+            let subject = self.state.subjects.deliver(&client_id);
+            if let Err(e) = self.state.bus.publish(subject, headers, Default::default()).await {
+                tracing::warn!(client = %client_id, "could not tell the stale connection to close: {e}");
+            }
+        }
+        self.send(server::registered(&details.extensions));
+        let liveness = self.state.presence.insert(&self.connection_id, &client_id);
+        tracing::info!(client = %client_id, kind = client_type.as_str(), connection = %self.connection_id, "registered");
+        self.identity = Some(Identity { client_id, client_type, target_id, extensions: details.extensions });
+        Ok((deliveries, liveness))
+    }
+
+    /// Sends a request to another service; an error is text for the client.
+    async fn request<Req: serde::Serialize, Rep: serde::de::DeserializeOwned>(
+        &self,
+        subject: String,
+        body: &Req,
+    ) -> Result<Rep, String> {
+        let payload = serde_json::to_vec(body).map_err(|e| format!("internal error: {e}"))?;
+        let timeout = Duration::from_millis(self.state.settings.gateway.request_timeout_ms);
+        match self.state.bus.request(subject, Headers::new(), payload.into(), timeout).await {
+            Ok(reply) => serde_json::from_slice(&reply.payload).map_err(|e| format!("invalid reply from a service: {e}")),
+            Err(BusError::NoResponders { .. }) => {
+                Err("the agent registry is not running: try again later".to_owned())
+            }
+            Err(e) => Err(format!("the agent registry did not answer: {e}")),
+        }
+    }
+
+    async fn unregister(&self, identity: &Identity, reason: &str) {
+        let request = UnregisterAgent {
+            version: V1,
+            agent_id: identity.client_id.clone(),
+            connection_id: self.connection_id.clone(),
+            reason: reason.to_owned(),
+        };
+        if let Err(e) = self.request::<_, UnregisterReply>(self.state.subjects.registry_unregister(), &request).await {
+            // The registry also learns it from the missing presence, within its window.
+            tracing::warn!(client = %identity.client_id, "unregister not confirmed: {e}");
+        }
+    }
+
+    /// Something published on this client's delivery subject.
+    fn on_delivery(&self, message: BusMessage) -> Option<Ended> {
+        if message.headers.get(names::CONTROL) == Some("disconnect") {
+            if message.headers.get(names::CONNECTION) == Some(self.connection_id.as_str()) {
+                self.close(close::POLICY, "replaced by a newer connection of the same client");
+                return Some(Ended { reason: "replaced by a newer connection".into() });
+            }
+            return None;
+        }
+        let text = match String::from_utf8(message.payload.to_vec()) {
+            Ok(text) => text,
+            Err(_) => {
+                tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
+                return None;
+            }
+        };
+        if self.out.try_send(Outbound::Frame(Utf8Bytes::from(text))).is_err() {
+            return Some(self.too_slow());
+        }
+        None
+    }
+
+    /// One text frame from a registered client.
+    async fn on_frame(&mut self, text: &str) -> Option<Ended> {
+        if !self.limiter.allow() {
+            self.refused_in_a_row += 1;
+            let limit = self.state.settings.gateway.frames_per_second;
+            self.send(server::error(
+                ErrorCode::RateLimited,
+                format!("frame refused: more than {limit} frames per second; slow down"),
+            ));
+            if self.refused_in_a_row > limit.max(10) {
+                self.close(close::POLICY, "rate limit exceeded persistently");
+                return Some(Ended { reason: "rate limit exceeded persistently".into() });
+            }
+            return None;
+        }
+        self.refused_in_a_row = 0;
+        let frame = match parse_client_frame(text.as_bytes()) {
+            Ok(frame) => frame,
+            Err(e) => {
+                self.send(server::error(e.code, e.to_string()));
+                return None;
+            }
+        };
+        let Some(identity) = self.identity.clone() else { return None };
+        if let Some(claimed) = frame.client_id.as_deref() {
+            if !claimed.is_empty() && claimed != identity.client_id {
+                self.send(server::error(ErrorCode::Forbidden, "client_id does not match the registered connection"));
+                return None;
+            }
+        }
+        if frame.kind != ClientMessageType::Heartbeat {
+            if let Some(claimed) = frame.client_type {
+                if claimed != identity.client_type {
+                    self.send(server::error(ErrorCode::Forbidden, "client_type does not match the registered connection"));
+                    return None;
+                }
+            }
+        }
+        match frame.kind {
+            ClientMessageType::Heartbeat => {
+                if !self.send(server::heartbeat()) {
+                    return Some(self.too_slow());
+                }
+            }
+            ClientMessageType::DeviceInfoRequest => self.device_info(&identity, &frame).await,
+            ClientMessageType::Register => {
+                self.send(server::error(ErrorCode::ProtocolError, "Unknown message type: register (already registered)"));
+            }
+            ClientMessageType::Error => {
+                let text = frame.error.clone().unwrap_or_else(|| "client reported an error".to_owned());
+                self.send(server::error(ErrorCode::ProtocolError, text));
+            }
+            ClientMessageType::DeviceInfoResponse => {}
+            other => self.forward(&identity, other, text).await,
+        }
+        None
+    }
+
+    /// A constellation asks for a device's system information.
+    async fn device_info(&self, identity: &Identity, frame: &ClientMessage) {
+        let request_id = frame.request_id.as_deref();
+        if identity.client_type != ClientType::Constellation {
+            self.send(server::error(ErrorCode::Forbidden, "DEVICE_INFO_REQUEST is permitted only for constellation clients"));
+            return;
+        }
+        let target = frame.target_id.clone().unwrap_or_default();
+        if let Some(bound) = &identity.target_id {
+            if *bound != target {
+                self.send(server::error(ErrorCode::Forbidden, "Not authorized to request device info for this device"));
+                return;
+            }
+        }
+        let request = GetAgent { version: V1, agent_id: target.clone() };
+        let reply = match self.request::<_, GetAgentReply>(self.state.subjects.registry_get(), &request).await {
+            Ok(reply) => reply,
+            Err(text) => {
+                self.send(server::device_info_error(request_id, text, ErrorCode::Unavailable));
+                return;
+            }
+        };
+        match reply.into_result() {
+            Ok(agent) if agent.status != AgentStatus::Offline && agent.client_type == ClientType::Device => {
+                match agent.system_info {
+                    Some(info) => self.send(server::device_info(request_id, info)),
+                    None => self.send(server::device_info_error(
+                        request_id,
+                        format!("Device {target} has no system info"),
+                        ErrorCode::DeviceNotFound,
+                    )),
+                };
+            }
+            _ => {
+                self.send(server::device_info_error(
+                    request_id,
+                    format!("Device {target} not found or no system info available"),
+                    ErrorCode::DeviceNotFound,
+                ));
+            }
+        }
+    }
+
+    /// Frames handled by the session service.
+    async fn forward(&self, _identity: &Identity, kind: ClientMessageType, _text: &str) {
+        self.send(server::error(
+            ErrorCode::Unavailable,
+            format!("`{kind}` frames need the session service, which this gateway cannot reach yet"),
+        ));
+    }
+}
