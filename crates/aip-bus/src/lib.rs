@@ -53,7 +53,12 @@ pub type SharedBus = std::sync::Arc<dyn Bus>;
 /// silent responder with [`BusError::Timeout`].
 pub trait Bus: Send + Sync + 'static {
     /// Publishes a message.
-    fn publish(&self, subject: String, headers: Headers, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>>;
+    fn publish(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>>;
 
     /// Sends a request and waits for the first reply, at most `timeout`.
     fn request(
@@ -68,7 +73,11 @@ pub trait Bus: Send + Sync + 'static {
     fn subscribe(&self, subject: String) -> BoxFuture<'_, Result<Subscription, BusError>>;
 
     /// Subscribes as a member of a queue group: each message goes to one member.
-    fn queue_subscribe(&self, subject: String, group: String) -> BoxFuture<'_, Result<Subscription, BusError>>;
+    fn queue_subscribe(
+        &self,
+        subject: String,
+        group: String,
+    ) -> BoxFuture<'_, Result<Subscription, BusError>>;
 
     /// Waits until everything published so far has reached the server (NATS flush);
     /// used before shutdown.
@@ -80,8 +89,18 @@ pub trait Bus: Send + Sync + 'static {
 
 /// Answers a request message (publishes to its reply subject). A message without a reply
 /// subject is not a request: that is a caller error, reported as [`BusError::NoReplySubject`].
-pub async fn respond(bus: &dyn Bus, request: &Message, headers: Headers, payload: Bytes) -> Result<(), BusError> {
-    let reply = request.reply.clone().ok_or_else(|| BusError::NoReplySubject { subject: request.subject.clone() })?;
+pub async fn respond(
+    bus: &dyn Bus,
+    request: &Message,
+    headers: Headers,
+    payload: Bytes,
+) -> Result<(), BusError> {
+    let reply = request
+        .reply
+        .clone()
+        .ok_or_else(|| BusError::NoReplySubject {
+            subject: request.subject.clone(),
+        })?;
     bus.publish(reply, headers, payload).await
 }
 

@@ -78,9 +78,19 @@ impl LocalBus {
         if wildcard {
             write(&self.inner.wildcard).push((subject.clone(), sub));
         } else {
-            write(&self.inner.exact).entry(subject.clone()).or_default().push(sub);
+            write(&self.inner.exact)
+                .entry(subject.clone())
+                .or_default()
+                .push(sub);
         }
-        LocalSubscription { rx, id, subject, wildcard, bus: Arc::downgrade(&self.inner) }.boxed()
+        LocalSubscription {
+            rx,
+            id,
+            subject,
+            wildcard,
+            bus: Arc::downgrade(&self.inner),
+        }
+        .boxed()
     }
 
     /// Delivers a message; returns how many subscribers received it.
@@ -132,7 +142,8 @@ fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
 }
 
 fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    lock.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock.write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 struct LocalSubscription {
@@ -153,7 +164,9 @@ impl Stream for LocalSubscription {
 
 impl Drop for LocalSubscription {
     fn drop(&mut self) {
-        let Some(inner) = self.bus.upgrade() else { return };
+        let Some(inner) = self.bus.upgrade() else {
+            return;
+        };
         if self.wildcard {
             write(&inner.wildcard).retain(|(_, sub)| sub.id != self.id);
         } else {
@@ -169,8 +182,18 @@ impl Drop for LocalSubscription {
 }
 
 impl Bus for LocalBus {
-    fn publish(&self, subject: String, headers: Headers, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
-        self.deliver(Message { subject, reply: None, headers, payload });
+    fn publish(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
+        self.deliver(Message {
+            subject,
+            reply: None,
+            headers,
+            payload,
+        });
         futures::future::ready(Ok(())).boxed()
     }
 
@@ -184,7 +207,12 @@ impl Bus for LocalBus {
         async move {
             let inbox = format!("_INBOX.{}", uuid::Uuid::new_v4().simple());
             let mut replies = self.add(inbox.clone(), None);
-            let delivered = self.deliver(Message { subject: subject.clone(), reply: Some(inbox), headers, payload });
+            let delivered = self.deliver(Message {
+                subject: subject.clone(),
+                reply: Some(inbox),
+                headers,
+                payload,
+            });
             if delivered == 0 {
                 return Err(BusError::NoResponders { subject });
             }
@@ -201,7 +229,11 @@ impl Bus for LocalBus {
         futures::future::ready(Ok(self.add(subject, None))).boxed()
     }
 
-    fn queue_subscribe(&self, subject: String, group: String) -> BoxFuture<'_, Result<Subscription, BusError>> {
+    fn queue_subscribe(
+        &self,
+        subject: String,
+        group: String,
+    ) -> BoxFuture<'_, Result<Subscription, BusError>> {
         futures::future::ready(Ok(self.add(subject, Some(group)))).boxed()
     }
 

@@ -27,8 +27,14 @@ impl NatsBus {
             .connect(url);
         let client = tokio::time::timeout(Duration::from_secs(10), client)
             .await
-            .map_err(|_| BusError::Connect { url: url.to_owned(), source: "timed out after 10 s".into() })?
-            .map_err(|e| BusError::Connect { url: url.to_owned(), source: Box::new(e) })?;
+            .map_err(|_| BusError::Connect {
+                url: url.to_owned(),
+                source: "timed out after 10 s".into(),
+            })?
+            .map_err(|e| BusError::Connect {
+                url: url.to_owned(),
+                source: Box::new(e),
+            })?;
         Ok(NatsBus { client })
     }
 
@@ -48,18 +54,32 @@ fn convert(message: async_nats::Message) -> Message {
 }
 
 impl Bus for NatsBus {
-    fn publish(&self, subject: String, headers: Headers, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+    fn publish(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             let limit = self.client.server_info().max_payload;
             if payload.len() > limit {
-                return Err(BusError::PayloadTooLarge { size: payload.len(), limit });
+                return Err(BusError::PayloadTooLarge {
+                    size: payload.len(),
+                    limit,
+                });
             }
             let result = if headers.is_empty() {
                 self.client.publish(subject.clone(), payload).await
             } else {
-                self.client.publish_with_headers(subject.clone(), headers.to_nats(), payload).await
+                self.client
+                    .publish_with_headers(subject.clone(), headers.to_nats(), payload)
+                    .await
             };
-            result.map_err(|e| BusError::Nats { operation: "publish", subject, source: Box::new(e) })
+            result.map_err(|e| BusError::Nats {
+                operation: "publish",
+                subject,
+                source: Box::new(e),
+            })
         }
         .boxed()
     }
@@ -72,13 +92,20 @@ impl Bus for NatsBus {
         timeout: Duration,
     ) -> BoxFuture<'_, Result<Message, BusError>> {
         async move {
-            let request = async_nats::Request::new().payload(payload).headers(headers.to_nats()).timeout(Some(timeout));
+            let request = async_nats::Request::new()
+                .payload(payload)
+                .headers(headers.to_nats())
+                .timeout(Some(timeout));
             match self.client.send_request(subject.clone(), request).await {
                 Ok(message) => Ok(convert(message)),
                 Err(e) => Err(match e.kind() {
                     RequestErrorKind::NoResponders => BusError::NoResponders { subject },
                     RequestErrorKind::TimedOut => BusError::Timeout { subject, timeout },
-                    _ => BusError::Nats { operation: "request", subject, source: Box::new(e) },
+                    _ => BusError::Nats {
+                        operation: "request",
+                        subject,
+                        source: Box::new(e),
+                    },
                 }),
             }
         }
@@ -91,19 +118,31 @@ impl Bus for NatsBus {
                 .client
                 .subscribe(subject.clone())
                 .await
-                .map_err(|e| BusError::Nats { operation: "subscribe", subject, source: Box::new(e) })?;
+                .map_err(|e| BusError::Nats {
+                    operation: "subscribe",
+                    subject,
+                    source: Box::new(e),
+                })?;
             Ok(sub.map(convert).boxed())
         }
         .boxed()
     }
 
-    fn queue_subscribe(&self, subject: String, group: String) -> BoxFuture<'_, Result<Subscription, BusError>> {
+    fn queue_subscribe(
+        &self,
+        subject: String,
+        group: String,
+    ) -> BoxFuture<'_, Result<Subscription, BusError>> {
         async move {
             let sub = self
                 .client
                 .queue_subscribe(subject.clone(), group)
                 .await
-                .map_err(|e| BusError::Nats { operation: "queue_subscribe", subject, source: Box::new(e) })?;
+                .map_err(|e| BusError::Nats {
+                    operation: "queue_subscribe",
+                    subject,
+                    source: Box::new(e),
+                })?;
             Ok(sub.map(convert).boxed())
         }
         .boxed()
@@ -111,10 +150,11 @@ impl Bus for NatsBus {
 
     fn flush(&self) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
-            self.client
-                .flush()
-                .await
-                .map_err(|e| BusError::Nats { operation: "flush", subject: String::new(), source: Box::new(e) })
+            self.client.flush().await.map_err(|e| BusError::Nats {
+                operation: "flush",
+                subject: String::new(),
+                source: Box::new(e),
+            })
         }
         .boxed()
     }

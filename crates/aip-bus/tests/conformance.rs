@@ -1,0 +1,245 @@
+//! One behaviour, two buses: the same checks run against a real NATS server (`NATS_URL`,
+//! default `nats://127.0.0.1:4222`) and the in-process bus, so the embedded mode cannot drift
+//! from the distributed one. Each test uses its own random subject prefix.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aip_bus::{Bus, BusError, Headers, LocalBus, NatsBus, SharedBus, names, respond};
+use futures::StreamExt;
+
+const WAIT: Duration = Duration::from_secs(5);
+
+async fn nats() -> SharedBus {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    Arc::new(
+        NatsBus::connect(&url, "aip-bus-tests")
+            .await
+            .expect("NATS must be running (scripts/ensure-services.sh)"),
+    )
+}
+
+fn local() -> SharedBus {
+    Arc::new(LocalBus::new())
+}
+
+fn prefix() -> String {
+    format!("t_{}", uuid::Uuid::new_v4().simple())
+}
+
+macro_rules! both {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test]
+            async fn nats() {
+                super::$name(super::nats().await).await;
+            }
+            #[tokio::test]
+            async fn local() {
+                super::$name(super::local()).await;
+            }
+        }
+    };
+}
+
+async fn publish_subscribe_with_headers_and_wildcards(bus: SharedBus) {
+    let p = prefix();
+    let mut exact = bus.subscribe(format!("{p}.a.b")).await.expect("subscribe");
+    let mut star = bus.subscribe(format!("{p}.a.*")).await.expect("subscribe");
+    let mut tail = bus.subscribe(format!("{p}.>")).await.expect("subscribe");
+    bus.flush().await.expect("flush");
+    let headers = Headers::new()
+        .with(
+            names::TRACEPARENT,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        .with(names::MSG_ID, "m-1");
+    bus.publish(format!("{p}.a.b"), headers.clone(), "hello".into())
+        .await
+        .expect("publish");
+    for sub in [&mut exact, &mut star, &mut tail] {
+        let m = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .expect("in time")
+            .expect("a message");
+        assert_eq!(m.subject, format!("{p}.a.b"));
+        assert_eq!(&m.payload[..], b"hello");
+        assert_eq!(
+            m.headers.get(names::TRACEPARENT),
+            headers.get(names::TRACEPARENT)
+        );
+        assert_eq!(m.headers.get(names::MSG_ID), Some("m-1"));
+    }
+    bus.publish(format!("{p}.a.b.c"), Headers::new(), "deep".into())
+        .await
+        .expect("publish");
+    let m = tokio::time::timeout(WAIT, tail.next())
+        .await
+        .expect("in time")
+        .expect("a message");
+    assert_eq!(&m.payload[..], b"deep");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), star.next())
+            .await
+            .is_err(),
+        "`*` matches one token only"
+    );
+}
+both!(publish_subscribe_with_headers_and_wildcards);
+
+async fn request_reply_and_its_errors(bus: SharedBus) {
+    let p = prefix();
+    let err = bus
+        .request(format!("{p}.nobody"), Headers::new(), "x".into(), WAIT)
+        .await
+        .expect_err("no responders");
+    assert!(matches!(err, BusError::NoResponders { .. }), "{err:?}");
+
+    let mut service = bus
+        .queue_subscribe(format!("{p}.echo"), "svc".into())
+        .await
+        .expect("subscribe");
+    let mut silent = bus
+        .subscribe(format!("{p}.silent"))
+        .await
+        .expect("subscribe");
+    bus.flush().await.expect("flush");
+    let responder = {
+        let bus = bus.clone();
+        tokio::spawn(async move {
+            while let Some(m) = service.next().await {
+                let mut body = m.payload.to_vec();
+                body.reverse();
+                respond(
+                    bus.as_ref(),
+                    &m,
+                    Headers::new().with(names::ERROR_CODE, "NONE"),
+                    body.into(),
+                )
+                .await
+                .expect("respond");
+            }
+        })
+    };
+    let reply = bus
+        .request(format!("{p}.echo"), Headers::new(), "abc".into(), WAIT)
+        .await
+        .expect("reply");
+    assert_eq!(&reply.payload[..], b"cba");
+    assert_eq!(reply.headers.get(names::ERROR_CODE), Some("NONE"));
+
+    let err = bus
+        .request(
+            format!("{p}.silent"),
+            Headers::new(),
+            "x".into(),
+            Duration::from_millis(300),
+        )
+        .await
+        .expect_err("timeout");
+    assert!(matches!(err, BusError::Timeout { .. }), "{err:?}");
+    assert!(
+        silent.next().await.is_some(),
+        "the silent responder got the request"
+    );
+    responder.abort();
+}
+both!(request_reply_and_its_errors);
+
+async fn queue_group_delivers_each_message_once(bus: SharedBus) {
+    let p = prefix();
+    let mut a = bus
+        .queue_subscribe(format!("{p}.work"), "workers".into())
+        .await
+        .expect("subscribe");
+    let mut b = bus
+        .queue_subscribe(format!("{p}.work"), "workers".into())
+        .await
+        .expect("subscribe");
+    bus.flush().await.expect("flush");
+    for i in 0..100 {
+        bus.publish(format!("{p}.work"), Headers::new(), format!("{i}").into())
+            .await
+            .expect("publish");
+    }
+    bus.flush().await.expect("flush");
+    let mut seen = Vec::new();
+    while seen.len() < 100 {
+        let m = tokio::select! {
+            Some(m) = a.next() => m,
+            Some(m) = b.next() => m,
+            () = tokio::time::sleep(WAIT) => panic!("only {} of 100 messages arrived", seen.len()),
+        };
+        seen.push(String::from_utf8(m.payload.to_vec()).expect("utf8"));
+    }
+    seen.sort_by_key(|s| s.parse::<u32>().unwrap_or(0));
+    seen.dedup();
+    assert_eq!(
+        seen.len(),
+        100,
+        "every message exactly once across the group"
+    );
+}
+both!(queue_group_delivers_each_message_once);
+
+async fn dropping_a_subscription_unsubscribes(bus: SharedBus) {
+    let p = prefix();
+    let sub = bus.subscribe(format!("{p}.x")).await.expect("subscribe");
+    bus.flush().await.expect("flush");
+    drop(sub);
+    // Give the NATS client a moment to send UNSUB, then a request must find nobody.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match bus
+            .request(
+                format!("{p}.x"),
+                Headers::new(),
+                "x".into(),
+                Duration::from_millis(200),
+            )
+            .await
+        {
+            Err(BusError::NoResponders { .. }) => break,
+            other => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "still subscribed: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+both!(dropping_a_subscription_unsubscribes);
+
+#[tokio::test]
+async fn local_bus_bounds_each_subscriber_queue() {
+    let bus = LocalBus::with_limits(4, 1024);
+    let mut sub = bus.subscribe("q".into()).await.expect("subscribe");
+    for i in 0..10 {
+        bus.publish("q".into(), Headers::new(), format!("{i}").into())
+            .await
+            .expect("publish");
+    }
+    let mut got = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(100), sub.next()).await {
+        got.push(m.payload);
+    }
+    assert_eq!(got.len(), 4, "a slow subscriber keeps at most its bound");
+    assert_eq!(bus.max_payload(), 1024);
+}
+
+#[tokio::test]
+async fn nats_refuses_payloads_over_its_limit() {
+    let bus = nats().await;
+    let limit = bus.max_payload();
+    let err = bus
+        .publish(
+            format!("{}.big", prefix()),
+            Headers::new(),
+            vec![0u8; limit + 1].into(),
+        )
+        .await
+        .expect_err("too large");
+    assert!(matches!(err, BusError::PayloadTooLarge { .. }), "{err:?}");
+}
