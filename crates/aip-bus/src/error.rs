@@ -39,6 +39,14 @@ pub enum BusError {
         /// The cause.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// No durable stream captures the subject (the service that creates it has not started).
+    #[error(
+        "no durable stream captures `{subject}`: start the service that creates it (aip-sessions)"
+    )]
+    NoStream {
+        /// The subject.
+        subject: String,
+    },
     /// The bus has been shut down.
     #[error("the bus is closed")]
     Closed,

@@ -10,6 +10,7 @@
 //! Messages carry [`Headers`] from the start: W3C `traceparent` for tracing and `Nats-Msg-Id`
 //! for de-duplication travel on every message that has them.
 
+mod durable;
 mod error;
 mod headers;
 mod local;
@@ -21,6 +22,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
+pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};
 pub use error::BusError;
 pub use headers::{Headers, names};
 pub use local::LocalBus;
@@ -85,6 +87,28 @@ pub trait Bus: Send + Sync + 'static {
 
     /// Largest payload the bus carries; bigger bodies must travel by reference.
     fn max_payload(&self) -> usize;
+
+    /// Creates a durable stream, or keeps the existing one of that name.
+    fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>>;
+
+    /// Publishes into a durable stream and waits until the stream has stored it. A message
+    /// with a `Nats-Msg-Id` already seen within the stream's window is dropped as a duplicate
+    /// (and still reported as stored). No stream for the subject is an error.
+    fn publish_durable(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>>;
+
+    /// Consumes a stream through the named durable consumer; consumers sharing a name share
+    /// the messages. At most `max_in_flight` messages are delivered and not yet acked.
+    fn consume(
+        &self,
+        stream: String,
+        consumer: String,
+        max_in_flight: usize,
+    ) -> BoxFuture<'_, Result<DurableSubscription, BusError>>;
 }
 
 /// Answers a request message (publishes to its reply subject). A message without a reply

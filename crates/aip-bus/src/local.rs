@@ -12,7 +12,57 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use tokio::sync::mpsc;
 
+use std::collections::{HashSet, VecDeque};
+
+use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
+use crate::headers::names;
 use crate::{Bus, BusError, Headers, Message, Subscription, subject_matches};
+
+/// Bound of each in-process durable stream's queue; publishers wait when it is full.
+const STREAM_CAPACITY: usize = 65_536;
+/// How many recent `Nats-Msg-Id`s an in-process stream remembers for de-duplication.
+const DEDUP_WINDOW: usize = 65_536;
+
+/// One in-process durable stream: a bounded queue shared by its consumers.
+struct LocalStream {
+    subjects: Vec<String>,
+    tx: mpsc::Sender<(Message, u64)>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<(Message, u64)>>>,
+    seen: std::sync::Mutex<(HashSet<String>, VecDeque<String>)>,
+}
+
+impl LocalStream {
+    /// Records a message id; false if it was seen recently (a duplicate).
+    fn first_time(&self, id: &str) -> bool {
+        let mut guard = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let (set, order) = &mut *guard;
+        if set.contains(id) {
+            return false;
+        }
+        set.insert(id.to_owned());
+        order.push_back(id.to_owned());
+        if order.len() > DEDUP_WINDOW {
+            if let Some(old) = order.pop_front() {
+                set.remove(&old);
+            }
+        }
+        true
+    }
+}
+
+/// Redelivery handle of an in-process durable message.
+pub(crate) struct LocalAck {
+    tx: mpsc::Sender<(Message, u64)>,
+}
+
+impl LocalAck {
+    pub(crate) fn redeliver(self, message: Message, delivered: u64, delay: Duration) {
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = self.tx.send((message, delivered)).await;
+        });
+    }
+}
 
 /// Default bound of each subscriber's queue.
 const DEFAULT_CAPACITY: usize = 8192;
@@ -29,6 +79,7 @@ pub struct LocalBus {
 }
 
 struct Inner {
+    streams: RwLock<HashMap<String, Arc<LocalStream>>>,
     exact: RwLock<HashMap<String, Vec<Sub>>>,
     wildcard: RwLock<Vec<(String, Sub)>>,
     next_id: AtomicU64,
@@ -60,6 +111,7 @@ impl LocalBus {
     pub fn with_limits(capacity: usize, max_payload: usize) -> Self {
         LocalBus {
             inner: Arc::new(Inner {
+                streams: RwLock::new(HashMap::new()),
                 exact: RwLock::new(HashMap::new()),
                 wildcard: RwLock::new(Vec::new()),
                 next_id: AtomicU64::new(1),
@@ -243,5 +295,82 @@ impl Bus for LocalBus {
 
     fn max_payload(&self) -> usize {
         self.inner.max_payload
+    }
+
+    fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
+        let mut streams = write(&self.inner.streams);
+        streams.entry(spec.name).or_insert_with(|| {
+            let (tx, rx) = mpsc::channel(STREAM_CAPACITY);
+            Arc::new(LocalStream {
+                subjects: spec.subjects,
+                tx,
+                rx: Arc::new(tokio::sync::Mutex::new(rx)),
+                seen: std::sync::Mutex::new((HashSet::new(), VecDeque::new())),
+            })
+        });
+        futures::future::ready(Ok(())).boxed()
+    }
+
+    fn publish_durable(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
+        let stream = read(&self.inner.streams)
+            .values()
+            .find(|s| s.subjects.iter().any(|p| subject_matches(p, &subject)))
+            .cloned();
+        async move {
+            let Some(stream) = stream else {
+                return Err(BusError::NoStream { subject });
+            };
+            if let Some(id) = headers.get(names::MSG_ID) {
+                if !stream.first_time(id) {
+                    return Ok(());
+                }
+            }
+            let message = Message {
+                subject,
+                reply: None,
+                headers,
+                payload,
+            };
+            stream
+                .tx
+                .send((message, 0))
+                .await
+                .map_err(|_| BusError::Closed)
+        }
+        .boxed()
+    }
+
+    fn consume(
+        &self,
+        stream: String,
+        _consumer: String,
+        _max_in_flight: usize,
+    ) -> BoxFuture<'_, Result<DurableSubscription, BusError>> {
+        let found = read(&self.inner.streams).get(&stream).cloned();
+        async move {
+            let Some(found) = found else {
+                return Err(BusError::NoStream { subject: stream });
+            };
+            let rx = found.rx.clone();
+            let tx = found.tx.clone();
+            let deliveries = futures::stream::unfold((rx, tx), |(rx, tx)| async move {
+                let next = rx.lock().await.recv().await;
+                next.map(|(message, delivered)| {
+                    let delivery = Delivery {
+                        message,
+                        delivered: delivered + 1,
+                        acker: Acker::Local(LocalAck { tx: tx.clone() }),
+                    };
+                    (Ok(delivery), (rx, tx))
+                })
+            });
+            Ok(deliveries.boxed())
+        }
+        .boxed()
     }
 }

@@ -7,12 +7,16 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 
+use async_nats::jetstream;
+
+use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::{Bus, BusError, Headers, Message, Subscription};
 
 /// A bus on a NATS server.
 #[derive(Clone)]
 pub struct NatsBus {
     client: async_nats::Client,
+    jetstream: jetstream::Context,
 }
 
 impl NatsBus {
@@ -21,7 +25,6 @@ impl NatsBus {
     pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
         let client = async_nats::ConnectOptions::new()
             .name(name)
-            .retry_on_initial_connect()
             .connection_timeout(Duration::from_secs(5))
             .subscription_capacity(65_536)
             .connect(url);
@@ -35,7 +38,8 @@ impl NatsBus {
                 url: url.to_owned(),
                 source: Box::new(e),
             })?;
-        Ok(NatsBus { client })
+        let jetstream = jetstream::new(client.clone());
+        Ok(NatsBus { client, jetstream })
     }
 
     /// The underlying client, for JetStream.
@@ -62,7 +66,7 @@ impl Bus for NatsBus {
     ) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             let limit = self.client.server_info().max_payload;
-            if payload.len() > limit {
+            if limit > 0 && payload.len() > limit {
                 return Err(BusError::PayloadTooLarge {
                     size: payload.len(),
                     limit,
@@ -161,5 +165,130 @@ impl Bus for NatsBus {
 
     fn max_payload(&self) -> usize {
         self.client.server_info().max_payload
+    }
+
+    fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
+        async move {
+            let config = jetstream::stream::Config {
+                name: spec.name.clone(),
+                subjects: spec.subjects.clone(),
+                max_age: spec.max_age,
+                max_bytes: spec.max_bytes,
+                duplicate_window: spec.duplicate_window.min(spec.max_age),
+                storage: jetstream::stream::StorageType::File,
+                discard: jetstream::stream::DiscardPolicy::New,
+                ..Default::default()
+            };
+            self.jetstream
+                .get_or_create_stream(config)
+                .await
+                .map(|_| ())
+                .map_err(|e| BusError::Nats {
+                    operation: "create stream",
+                    subject: spec.name,
+                    source: Box::new(e),
+                })
+        }
+        .boxed()
+    }
+
+    fn publish_durable(
+        &self,
+        subject: String,
+        headers: Headers,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
+        async move {
+            let limit = self.client.server_info().max_payload;
+            if limit > 0 && payload.len() > limit {
+                return Err(BusError::PayloadTooLarge {
+                    size: payload.len(),
+                    limit,
+                });
+            }
+            let ack = self
+                .jetstream
+                .publish_with_headers(subject.clone(), headers.to_nats(), payload)
+                .await
+                .map_err(|e| BusError::Nats {
+                    operation: "publish to stream",
+                    subject: subject.clone(),
+                    source: Box::new(e),
+                })?;
+            match ack.await {
+                Ok(_) => Ok(()),
+                Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
+                    Err(BusError::NoStream { subject })
+                }
+                Err(e) => Err(BusError::Nats {
+                    operation: "store in stream",
+                    subject,
+                    source: Box::new(e),
+                }),
+            }
+        }
+        .boxed()
+    }
+
+    fn consume(
+        &self,
+        stream: String,
+        consumer: String,
+        max_in_flight: usize,
+    ) -> BoxFuture<'_, Result<DurableSubscription, BusError>> {
+        async move {
+            let wrap = |operation: &'static str, e: Box<dyn std::error::Error + Send + Sync>| {
+                BusError::Nats {
+                    operation,
+                    subject: stream.clone(),
+                    source: e,
+                }
+            };
+            let handle = self
+                .jetstream
+                .get_stream(&stream)
+                .await
+                .map_err(|e| wrap("get stream", Box::new(e)))?;
+            let config = jetstream::consumer::pull::Config {
+                durable_name: Some(consumer.clone()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                max_ack_pending: i64::try_from(max_in_flight).unwrap_or(i64::MAX),
+                ..Default::default()
+            };
+            let pull: jetstream::consumer::PullConsumer = handle
+                .get_or_create_consumer(&consumer, config)
+                .await
+                .map_err(|e| wrap("create consumer", Box::new(e)))?;
+            let messages = pull
+                .messages()
+                .await
+                .map_err(|e| wrap("consume", Box::new(e)))?;
+            let subject = stream.clone();
+            Ok(messages
+                .map(move |item| match item {
+                    Ok(m) => {
+                        let delivered = m.info().map(|i| i.delivered as u64).unwrap_or(1);
+                        let message = Message {
+                            subject: m.subject.to_string(),
+                            reply: None,
+                            headers: Headers::from_nats(m.headers.as_ref()),
+                            payload: m.payload.clone(),
+                        };
+                        Ok(Delivery {
+                            message,
+                            delivered,
+                            acker: Acker::Nats(Box::new(m)),
+                        })
+                    }
+                    Err(e) => Err(BusError::Nats {
+                        operation: "receive from stream",
+                        subject: subject.clone(),
+                        source: Box::new(e),
+                    }),
+                })
+                .boxed())
+        }
+        .boxed()
     }
 }

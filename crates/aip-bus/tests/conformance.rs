@@ -243,3 +243,70 @@ async fn nats_refuses_payloads_over_its_limit() {
         .expect_err("too large");
     assert!(matches!(err, BusError::PayloadTooLarge { .. }), "{err:?}");
 }
+
+async fn durable_streams_deduplicate_and_redeliver(bus: SharedBus) {
+    use aip_bus::{StreamSpec, stream_name};
+    let p = prefix();
+    let stream = stream_name(&p, "frames");
+    let err = bus
+        .publish_durable(format!("{p}.frames.a"), Headers::new(), "x".into())
+        .await
+        .expect_err("no stream yet");
+    assert!(matches!(err, BusError::NoStream { .. }), "{err:?}");
+
+    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
+    spec.max_age = Duration::from_secs(60);
+    bus.ensure_stream(spec.clone())
+        .await
+        .expect("create stream");
+    bus.ensure_stream(spec)
+        .await
+        .expect("creating it again keeps it");
+    for (id, body) in [("m1", "one"), ("m1", "one again"), ("m2", "two")] {
+        bus.publish_durable(
+            format!("{p}.frames.a"),
+            Headers::new().with(names::MSG_ID, id),
+            body.into(),
+        )
+        .await
+        .expect("stored");
+    }
+    let mut deliveries = bus
+        .consume(stream.clone(), "sessions".into(), 16)
+        .await
+        .expect("consume");
+    let first = next_delivery(&mut deliveries).await;
+    assert_eq!(&first.message.payload[..], b"one");
+    assert_eq!(first.delivered, 1);
+    first.nak(Duration::from_millis(50)).await.expect("nak");
+    let mut bodies = Vec::new();
+    for _ in 0..2 {
+        let d = next_delivery(&mut deliveries).await;
+        bodies.push((
+            String::from_utf8(d.message.payload.to_vec()).expect("utf8"),
+            d.delivered,
+        ));
+        d.ack().await.expect("ack");
+    }
+    bodies.sort();
+    assert_eq!(
+        bodies,
+        [("one".to_owned(), 2), ("two".to_owned(), 1)],
+        "the duplicate m1 was dropped; the nak'd one came back"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), deliveries.next())
+            .await
+            .is_err(),
+        "acked messages are not delivered again"
+    );
+}
+both!(durable_streams_deduplicate_and_redeliver);
+
+async fn next_delivery(d: &mut aip_bus::DurableSubscription) -> aip_bus::Delivery {
+    tokio::time::timeout(WAIT, d.next())
+        .await
+        .expect("in time")
+        .expect("open")
+        .expect("delivery")
+}

@@ -1,0 +1,94 @@
+//! Durable streams: messages that must not be lost.
+//!
+//! On NATS these are JetStream streams with durable pull consumers, explicit acks and
+//! `Nats-Msg-Id` de-duplication. In process they are bounded queues with the same API
+//! (publishing waits for room instead of dropping; nak redelivers); they do not survive a
+//! crash of the process, which holds the only copy anyway.
+
+use std::time::Duration;
+
+use futures::stream::BoxStream;
+
+use crate::{BusError, Message};
+
+/// A stream to create (or keep, if it exists).
+#[derive(Debug, Clone)]
+pub struct StreamSpec {
+    /// Stream name (letters, digits, `_`, `-`).
+    pub name: String,
+    /// Subjects it captures (wildcards allowed).
+    pub subjects: Vec<String>,
+    /// Messages older than this are discarded.
+    pub max_age: Duration,
+    /// Size cap in bytes (-1: none); publishing fails when full instead of losing old messages.
+    pub max_bytes: i64,
+    /// Window in which a repeated `Nats-Msg-Id` is dropped as a duplicate.
+    pub duplicate_window: Duration,
+}
+
+impl StreamSpec {
+    /// A stream with a one-day age limit, a 1 GiB cap and a two-minute de-duplication window.
+    pub fn new(name: impl Into<String>, subjects: Vec<String>) -> Self {
+        StreamSpec {
+            name: name.into(),
+            subjects,
+            max_age: Duration::from_secs(24 * 3600),
+            max_bytes: 1 << 30,
+            duplicate_window: Duration::from_secs(120),
+        }
+    }
+}
+
+/// The stream name for a subject prefix and a purpose: `aip` + `frames` → `aip_frames`.
+pub fn stream_name(prefix: &str, purpose: &str) -> String {
+    format!("{}_{purpose}", prefix.replace('.', "_"))
+}
+
+/// A message from a durable consumer; it is redelivered until acked.
+pub struct Delivery {
+    /// The message.
+    pub message: Message,
+    /// How many times it has been delivered (1 the first time).
+    pub delivered: u64,
+    pub(crate) acker: Acker,
+}
+
+pub(crate) enum Acker {
+    Nats(Box<async_nats::jetstream::Message>),
+    Local(crate::local::LocalAck),
+}
+
+impl Delivery {
+    /// Confirms processing; the message is not delivered again.
+    pub async fn ack(self) -> Result<(), BusError> {
+        match self.acker {
+            Acker::Nats(m) => m.ack().await.map_err(|e| BusError::Nats {
+                operation: "ack",
+                subject: self.message.subject.clone(),
+                source: e,
+            }),
+            Acker::Local(_) => Ok(()),
+        }
+    }
+
+    /// Asks for redelivery after `delay` (processing failed; try again later).
+    pub async fn nak(self, delay: Duration) -> Result<(), BusError> {
+        match self.acker {
+            Acker::Nats(m) => m
+                .ack_with(async_nats::jetstream::AckKind::Nak(Some(delay)))
+                .await
+                .map_err(|e| BusError::Nats {
+                    operation: "nak",
+                    subject: self.message.subject.clone(),
+                    source: e,
+                }),
+            Acker::Local(ack) => {
+                ack.redeliver(self.message, self.delivered, delay);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Deliveries from a durable consumer.
+pub type DurableSubscription = BoxStream<'static, Result<Delivery, BusError>>;
