@@ -11,7 +11,8 @@
 //! `ufo_schema` checks that every frame built here validates against UFO's own schema.
 
 use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use serde::de::{DeserializeOwned, IntoDeserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
 use crate::enums::{
@@ -21,6 +22,34 @@ use crate::enums::{
 /// A JSON object, as used for `metadata`, `parameters` and schema fields.
 pub type JsonObject = Map<String, Value>;
 
+/// Reads an enum field from a JSON string only.
+///
+/// serde's derived enum `Deserialize` also accepts the externally tagged form (`{"ok": null}`
+/// for `"ok"`), which UFO's models reject and which does not survive a round trip: on the wire
+/// an enum value is exactly one lowercase string.
+fn enum_from_string<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: DeserializeOwned,
+{
+    let value = String::deserialize(deserializer)?;
+    T::deserialize(IntoDeserializer::<D::Error>::into_deserializer(value))
+}
+
+/// [`enum_from_string`] for an optional field: `null` (or absent, with `serde(default)`) is `None`.
+fn optional_enum_from_string<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: DeserializeOwned,
+{
+    match Option::<String>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(value) => {
+            T::deserialize(IntoDeserializer::<D::Error>::into_deserializer(value)).map(Some)
+        }
+    }
+}
+
 /// A frame sent by a client (device or constellation) to the server: UFO's `ClientMessage`.
 ///
 /// Parse untrusted input with [`crate::parse_client_frame`], which also applies the per-frame
@@ -28,12 +57,17 @@ pub type JsonObject = Map<String, Value>;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ClientMessage {
     /// What this frame is.
-    #[serde(rename = "type")]
+    #[serde(rename = "type", deserialize_with = "enum_from_string")]
     pub kind: ClientMessageType,
     /// The frame's status; its meaning depends on `type`.
+    #[serde(deserialize_with = "enum_from_string")]
     pub status: TaskStatus,
     /// Device or constellation; absent or `null` means `device` (UFO's default).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "optional_enum_from_string"
+    )]
     pub client_type: Option<ClientType>,
     /// The session this frame belongs to (task, command_results, task_end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -114,9 +148,10 @@ impl ClientMessage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ServerMessage {
     /// What this frame is.
-    #[serde(rename = "type")]
+    #[serde(rename = "type", deserialize_with = "enum_from_string")]
     pub kind: ServerMessageType,
     /// The frame's status; its meaning depends on `type`.
+    #[serde(deserialize_with = "enum_from_string")]
     pub status: TaskStatus,
     /// The task text of a server `task` frame.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -199,6 +234,7 @@ pub struct Command {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parameters: Option<JsonObject>,
     /// `action` or `data_collection`; nothing else is valid.
+    #[serde(deserialize_with = "enum_from_string")]
     pub tool_type: ToolType,
     /// Correlates this Command with its Result; the server gives each Command a fresh one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -210,6 +246,7 @@ pub struct Command {
 #[schemars(rename = "Result")]
 pub struct ActionResult {
     /// Whether the command ran and how it went.
+    #[serde(deserialize_with = "enum_from_string")]
     pub status: ResultStatus,
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]

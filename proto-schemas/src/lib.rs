@@ -12,6 +12,7 @@
 //! - [`server`]: constructors for every frame the server sends;
 //! - [`flow`]: seed 004's flow messages (TaskRequest, HandoffNotification, …) and [`registry`]:
 //!   the registry's messages, both versioned subject payloads;
+//! - [`sessions`]: the session service's payloads (frames from gateways, the planner, tasks);
 //! - [`error`]: the one [`ErrorCode`] used in ERROR frames, HTTP bodies and NATS replies;
 //! - [`subjects`]: the subject catalogue under a configurable prefix, with a reversible
 //!   encoding of client-provided ids into subject tokens;
@@ -30,6 +31,7 @@ pub mod frames;
 pub mod registry;
 pub mod schema;
 pub mod server;
+pub mod sessions;
 pub mod subjects;
 pub mod validate;
 pub mod version;

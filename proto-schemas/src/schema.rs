@@ -10,7 +10,7 @@ use schemars::{JsonSchema, SchemaGenerator};
 use serde_json::{Map, Value, json};
 
 use crate::subjects::{CATALOGUE, DEFAULT_PREFIX, Pattern, SubjectSpec};
-use crate::{error, flow, frames, registry};
+use crate::{error, flow, frames, registry, sessions};
 
 /// One schema per name: every frame and subject payload.
 fn schema_entries(generator: &mut SchemaGenerator) -> Vec<(&'static str, Value)> {
@@ -44,6 +44,12 @@ fn schema_entries(generator: &mut SchemaGenerator) -> Vec<(&'static str, Value)>
         "ClarificationResponse" => flow::ClarificationResponse,
         "CallbackNotification" => flow::CallbackNotification,
         "ErrorMessage" => flow::ErrorMessage,
+        "GatewayEvent" => sessions::GatewayEvent,
+        "SubmitReply" => registry::Reply<sessions::TaskAccepted>,
+        "PlanRequest" => sessions::PlanRequest,
+        "PlanReply" => registry::Reply<sessions::PlanStep>,
+        "TaskEvent" => sessions::TaskEvent,
+        "TaskView" => sessions::TaskView,
     }
 }
 
@@ -104,6 +110,12 @@ fn standalone_by_name(name: &str) -> Value {
         "ClarificationResponse" => flow::ClarificationResponse,
         "CallbackNotification" => flow::CallbackNotification,
         "ErrorMessage" => flow::ErrorMessage,
+        "GatewayEvent" => sessions::GatewayEvent,
+        "SubmitReply" => registry::Reply<sessions::TaskAccepted>,
+        "PlanRequest" => sessions::PlanRequest,
+        "PlanReply" => registry::Reply<sessions::PlanStep>,
+        "TaskEvent" => sessions::TaskEvent,
+        "TaskView" => sessions::TaskView,
     }
 }
 

@@ -206,6 +206,41 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             showed life. The batch is also the gateway's own heartbeat: a gateway silent past the \
             liveness window is taken as dead and its agents go offline.",
     },
+    SubjectSpec {
+        name: "frames",
+        template: "frames.{client}",
+        pattern: Pattern::JetStream,
+        payload: "GatewayEvent",
+        reply: None,
+        publishers: &["aip-gateway"],
+        consumers: &["aip-sessions (durable consumer `aip-sessions` on stream `<prefix>_frames`)"],
+        description: "Client frames the session service handles (task, command_results, task_end, \
+            extension frames) with the identity the gateway pinned to the connection, and the end of \
+            each registered connection. `Nats-Msg-Id` is `<connection id>:<frame number>`, so a \
+            re-sent frame is stored once.",
+    },
+    SubjectSpec {
+        name: "sessions.submit",
+        template: "sessions.submit",
+        pattern: Pattern::RequestReply,
+        payload: "TaskRequest",
+        reply: Some("SubmitReply"),
+        publishers: &["any NATS client (an LLM agent, another service)"],
+        consumers: &["aip-sessions (queue group `aip-sessions`)"],
+        description: "Submit a task over NATS; the reply says which executor got it, or why none did.",
+    },
+    SubjectSpec {
+        name: "planner.next",
+        template: "planner.next",
+        pattern: Pattern::RequestReply,
+        payload: "PlanRequest",
+        reply: Some("PlanReply"),
+        publishers: &["aip-sessions"],
+        consumers: &["a remote planner (queue group of your choice)"],
+        description: "The remote planner: for each step of a server-driven task the session service \
+            sends the task and the last results, and the planner answers with the next commands, \
+            `complete` or `fail`. Write one in any language with a NATS client.",
+    },
 ];
 
 /// Builds subjects under one prefix.
@@ -284,6 +319,31 @@ impl Subjects {
     /// `presence.*`: every gateway's presence batches.
     pub fn presence_all(&self) -> String {
         self.join("presence.*")
+    }
+
+    /// `frames.{client}`: frames from one client, into the frames stream.
+    pub fn frames(&self, client_id: &str) -> String {
+        self.join(&format!("frames.{}", encode_token(client_id)))
+    }
+
+    /// `frames.>`: what the frames stream captures.
+    pub fn frames_all(&self) -> String {
+        self.join("frames.>")
+    }
+
+    /// The frames stream's name: the prefix with `.` as `_`, then `_frames`.
+    pub fn frames_stream(&self) -> String {
+        format!("{}_frames", self.prefix.replace('.', "_"))
+    }
+
+    /// `sessions.submit`.
+    pub fn sessions_submit(&self) -> String {
+        self.join("sessions.submit")
+    }
+
+    /// `planner.next`.
+    pub fn planner_next(&self) -> String {
+        self.join("planner.next")
     }
 
     /// The full subject of a catalogue entry, with `{…}` parts left as written (for docs).

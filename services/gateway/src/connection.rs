@@ -14,9 +14,10 @@ use futures::{SinkExt, StreamExt};
 use proto_schemas::registry::{
     AgentStatus, GetAgent, GetAgentReply, RegisterAgent, RegisterReply, UnregisterAgent, UnregisterReply,
 };
+use proto_schemas::sessions::{ConnectionClosed, GatewayEvent, InboundFrame};
 use proto_schemas::{
-    ClientMessage, ClientMessageType, ClientType, ErrorCode, Extension, ServerMessage, V1, parse_client_frame,
-    register_details, server,
+    ClientMessage, ClientMessageType, ClientType, ErrorCode, Extension, Platform, ServerMessage, TaskStatus, V1,
+    parse_client_frame, register_details, server,
 };
 use tokio::sync::mpsc;
 
@@ -60,7 +61,7 @@ struct Identity {
     client_type: ClientType,
     /// For a constellation: the device it registered for (limits device-info requests).
     target_id: Option<String>,
-    #[allow(dead_code)]
+    platform: Platform,
     extensions: Vec<Extension>,
 }
 
@@ -94,6 +95,7 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
         principal,
         out: out_tx,
         identity: None,
+        frames_forwarded: 0,
         limiter: RateLimiter::new(state.settings.gateway.frames_per_second),
         refused_in_a_row: 0,
     };
@@ -101,6 +103,7 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
     tracing::debug!(connection = %conn.connection_id, reason = %ended.reason, "connection ended");
     if let Some(identity) = &conn.identity {
         state.presence.remove(&conn.connection_id);
+        conn.announce_closed(identity, &ended.reason).await;
         conn.unregister(identity, &ended.reason).await;
     }
     drop(conn);
@@ -113,6 +116,8 @@ struct Connection {
     principal: Principal,
     out: mpsc::Sender<Outbound>,
     identity: Option<Identity>,
+    /// Frames put into the frames stream so far; numbers their `Nats-Msg-Id`.
+    frames_forwarded: u64,
     limiter: RateLimiter,
     refused_in_a_row: u32,
 }
@@ -339,7 +344,8 @@ impl Connection {
         self.send(server::registered(&details.extensions));
         let liveness = self.state.presence.insert(&self.connection_id, &client_id);
         tracing::info!(client = %client_id, kind = client_type.as_str(), connection = %self.connection_id, "registered");
-        self.identity = Some(Identity { client_id, client_type, target_id, extensions: details.extensions });
+        self.identity =
+            Some(Identity { client_id, client_type, target_id, platform: details.platform, extensions: details.extensions });
         Ok((deliveries, liveness))
     }
 
@@ -448,7 +454,7 @@ impl Connection {
                 self.send(server::error(ErrorCode::ProtocolError, text));
             }
             ClientMessageType::DeviceInfoResponse => {}
-            other => self.forward(&identity, other, text).await,
+            _ => self.forward(&identity, frame).await,
         }
         None
     }
@@ -496,11 +502,73 @@ impl Connection {
         }
     }
 
-    /// Frames handled by the session service.
-    async fn forward(&self, _identity: &Identity, kind: ClientMessageType, _text: &str) {
-        self.send(server::error(
-            ErrorCode::Unavailable,
-            format!("`{kind}` frames need the session service, which this gateway cannot reach yet"),
-        ));
+    /// Frames handled by the session service go into the frames stream, stored before this
+    /// returns. If that fails, the client is told at once (and a task gets its `task_end`).
+    async fn forward(&mut self, identity: &Identity, frame: ClientMessage) {
+        self.frames_forwarded += 1;
+        let msg_id = format!("{}:{}", self.connection_id, self.frames_forwarded);
+        let kind = frame.kind;
+        let session_id = frame.session_id.clone();
+        let event = GatewayEvent::Frame(InboundFrame {
+            version: V1,
+            gateway_id: self.state.gateway_id.clone(),
+            connection_id: self.connection_id.clone(),
+            client_id: identity.client_id.clone(),
+            client_type: identity.client_type,
+            platform: identity.platform,
+            extensions: identity.extensions.clone(),
+            received_at: server::timestamp_now(),
+            frame,
+        });
+        let Err(text) = self.publish_event(&identity.client_id, &event, msg_id).await else { return };
+        let text = format!("`{kind}` frame not accepted: {text}");
+        match (kind, session_id) {
+            (ClientMessageType::Task, Some(session_id)) => {
+                self.send(server::session_error(ErrorCode::Unavailable, &text, &session_id));
+                let end_id = server::new_id();
+                self.send(server::task_end(&session_id, TaskStatus::Failed, None, Some(text), &end_id));
+            }
+            (_, Some(session_id)) => {
+                self.send(server::session_error(ErrorCode::Unavailable, text, &session_id));
+            }
+            (_, None) => {
+                self.send(server::error(ErrorCode::Unavailable, text));
+            }
+        }
+    }
+
+    async fn publish_event(&self, client_id: &str, event: &GatewayEvent, msg_id: String) -> Result<(), String> {
+        let body = serde_json::to_vec(event).map_err(|e| format!("internal error: {e}"))?;
+        let limit = self.state.bus.max_payload();
+        if body.len() > limit {
+            return Err(format!(
+                "the frame is {} bytes and the message bus carries at most {limit}; large frames are not supported yet",
+                body.len()
+            ));
+        }
+        let headers = Headers::new().with(names::MSG_ID, msg_id);
+        match self.state.bus.publish_durable(self.state.subjects.frames(client_id), headers, body.into()).await {
+            Ok(()) => Ok(()),
+            Err(BusError::NoStream { .. }) => {
+                Err("the session service has not started (no frames stream); try again later".to_owned())
+            }
+            Err(e) => Err(format!("the message bus did not store it: {e}")),
+        }
+    }
+
+    /// Tells the session service that this client is gone, so its sessions end.
+    async fn announce_closed(&self, identity: &Identity, reason: &str) {
+        let event = GatewayEvent::Closed(ConnectionClosed {
+            version: V1,
+            gateway_id: self.state.gateway_id.clone(),
+            connection_id: self.connection_id.clone(),
+            client_id: identity.client_id.clone(),
+            client_type: identity.client_type,
+            reason: reason.to_owned(),
+        });
+        let msg_id = format!("{}:closed", self.connection_id);
+        if let Err(e) = self.publish_event(&identity.client_id, &event, msg_id).await {
+            tracing::warn!(client = %identity.client_id, "session service not told of the disconnect: {e}");
+        }
     }
 }

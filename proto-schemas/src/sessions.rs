@@ -1,0 +1,264 @@
+//! Payloads of the session service's subjects: frames from gateways, task submission, the
+//! remote planner, and task state.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::enums::{ClientType, Extension, Platform};
+use crate::error::ErrorCode;
+use crate::frames::{ActionResult, ClientMessage, Command};
+use crate::version::V1;
+
+/// What a gateway puts into the `frames` stream for the session service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum GatewayEvent {
+    /// A frame from a registered client that the session service handles (task,
+    /// command_results, task_end and the extension frames).
+    Frame(InboundFrame),
+    /// A registered client's connection ended; its sessions end with it.
+    Closed(ConnectionClosed),
+}
+
+/// One client frame, with the identity the gateway pinned to its connection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct InboundFrame {
+    /// Always 1.
+    pub version: V1,
+    /// The gateway that received it.
+    pub gateway_id: String,
+    /// The connection it came on.
+    pub connection_id: String,
+    /// The registered client id (not what the frame claims: the gateway already checked that).
+    pub client_id: String,
+    /// The registered client type.
+    pub client_type: ClientType,
+    /// The client's platform (from its REGISTER).
+    pub platform: Platform,
+    /// Extensions the client negotiated.
+    #[serde(default)]
+    pub extensions: Vec<Extension>,
+    /// When the gateway received it (ISO 8601).
+    pub received_at: String,
+    /// The frame, validated.
+    pub frame: ClientMessage,
+}
+
+/// A registered connection ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ConnectionClosed {
+    /// Always 1.
+    pub version: V1,
+    /// The gateway that held it.
+    pub gateway_id: String,
+    /// The connection.
+    pub connection_id: String,
+    /// The client.
+    pub client_id: String,
+    /// The client's type.
+    pub client_type: ClientType,
+    /// Why it ended.
+    pub reason: String,
+}
+
+/// The state of a task. `completed`, `failed`, `canceled` and `rejected` are terminal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    /// Accepted, waiting for its executor to be free.
+    Submitted,
+    /// Sent to its executor.
+    Dispatched,
+    /// The executor is working on it (commands in flight).
+    Working,
+    /// Paused until a clarification is answered.
+    InputRequired,
+    /// Ended well.
+    Completed,
+    /// Ended badly (including timeouts, error code TASK_TIMEOUT).
+    Failed,
+    /// Cancelled by a requester, over REST, or by a disconnect.
+    Canceled,
+    /// Never started: no executor, bad request.
+    Rejected,
+}
+
+impl TaskState {
+    /// Every state.
+    pub const ALL: &'static [TaskState] = &[
+        TaskState::Submitted,
+        TaskState::Dispatched,
+        TaskState::Working,
+        TaskState::InputRequired,
+        TaskState::Completed,
+        TaskState::Failed,
+        TaskState::Canceled,
+        TaskState::Rejected,
+    ];
+
+    /// The wire string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Submitted => "submitted",
+            TaskState::Dispatched => "dispatched",
+            TaskState::Working => "working",
+            TaskState::InputRequired => "input_required",
+            TaskState::Completed => "completed",
+            TaskState::Failed => "failed",
+            TaskState::Canceled => "canceled",
+            TaskState::Rejected => "rejected",
+        }
+    }
+
+    /// Parses the wire string.
+    pub fn from_wire(s: &str) -> Option<Self> {
+        TaskState::ALL.iter().copied().find(|t| t.as_str() == s)
+    }
+
+    /// Whether the task is over (nothing changes it any more).
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TaskState::Completed | TaskState::Failed | TaskState::Canceled | TaskState::Rejected
+        )
+    }
+
+    /// Whether a transition from `self` to `next` is allowed by the state machine.
+    pub fn can_become(self, next: TaskState) -> bool {
+        use TaskState::*;
+        if self.is_terminal() {
+            return false;
+        }
+        match (self, next) {
+            (_, Failed | Canceled) => true,
+            (Submitted, Dispatched | Rejected) => true,
+            (Dispatched, Working | Completed | Submitted) => true,
+            (Working, InputRequired | Completed | Working | Dispatched) => true,
+            (InputRequired, Working) => true,
+            _ => false,
+        }
+    }
+}
+
+/// `sessions.submit` reply payload: the task was accepted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskAccepted {
+    /// The task's id (also its session id on the wire).
+    pub task_id: String,
+    /// Its name.
+    pub task_name: String,
+    /// The chosen executor.
+    pub executor_id: String,
+    /// Its state now (submitted if the executor is busy, else dispatched).
+    pub state: TaskState,
+}
+
+/// `planner.next`: what the session service asks a remote planner for each step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PlanRequest {
+    /// Always 1.
+    pub version: V1,
+    /// The task.
+    pub task_id: String,
+    /// Its name.
+    pub task_name: String,
+    /// What the task is to achieve, in words.
+    pub request: String,
+    /// Structured input of the task, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+    /// The device that executes the commands.
+    pub executor_id: String,
+    /// Its platform (decides the UFO agent).
+    pub platform: Platform,
+    /// Which step this is (0 for the first).
+    pub step: u32,
+    /// The results of the previous step's commands (empty for the first step).
+    #[serde(default)]
+    pub last_results: Vec<ActionResult>,
+}
+
+/// The planner's decision for one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum PlanStep {
+    /// Send these commands to the executor, then ask again with their results.
+    Commands {
+        /// The commands.
+        actions: Vec<Command>,
+        /// The UFO agent to run them (default: the platform's agent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent_name: Option<String>,
+        /// Passed through to the device.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        process_name: Option<String>,
+        /// Passed through to the device.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        root_name: Option<String>,
+    },
+    /// The task is done.
+    Complete {
+        /// Its result.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<Value>,
+    },
+    /// The task cannot be done.
+    Fail {
+        /// Why.
+        error: String,
+    },
+}
+
+/// One entry of a task's event log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskEvent {
+    /// The task.
+    pub task_id: String,
+    /// Gap-free sequence number within the task, from 1.
+    pub seq: i64,
+    /// When it happened (RFC 3339).
+    pub at: String,
+    /// What happened (`submitted`, `dispatched`, `command_sent`, `results_received`, `state`, …).
+    pub kind: String,
+    /// The task's state after this event.
+    pub state: TaskState,
+    /// Details.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+}
+
+/// A task as the REST API and NATS show it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TaskView {
+    /// The task's id; also its AIP `session_id`.
+    pub task_id: String,
+    /// Its name.
+    pub task_name: String,
+    /// Where it stands.
+    pub state: TaskState,
+    /// What was asked.
+    pub request: String,
+    /// Who asked (client id, or `rest:<caller>`, `nats:<agent>`).
+    pub requester: String,
+    /// Who executes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor_id: Option<String>,
+    /// Higher first when the executor is busy.
+    pub priority: i32,
+    /// The result, once completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// Why it failed, was cancelled or rejected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The code that goes with `error`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<ErrorCode>,
+    /// Created (RFC 3339).
+    pub created_at: String,
+    /// Last changed (RFC 3339).
+    pub updated_at: String,
+    /// Events so far.
+    pub events: i64,
+}
