@@ -31,14 +31,23 @@ pub fn load<T>(file: Option<&Path>) -> Result<T, SettingsError>
 where
     T: Default + Serialize + DeserializeOwned,
 {
-    let wrap = |source| SettingsError::Invalid { file: file.map(|f| f.display().to_string()), source };
+    let wrap = |source| SettingsError::Invalid {
+        file: file.map(|f| f.display().to_string()),
+        source,
+    };
     let defaults = config::Config::try_from(&T::default()).map_err(wrap)?;
     let mut builder = config::Config::builder().add_source(defaults);
     if let Some(path) = file {
         builder = builder.add_source(config::File::from(path).required(true));
     }
     builder = builder.add_source(
-        config::Environment::with_prefix("AIP").prefix_separator("_").separator("__").try_parsing(true),
+        config::Environment::with_prefix("AIP")
+            .prefix_separator("_")
+            .separator("__")
+            .try_parsing(true),
     );
-    builder.build().and_then(|c| c.try_deserialize()).map_err(wrap)
+    builder
+        .build()
+        .and_then(|c| c.try_deserialize())
+        .map_err(wrap)
 }

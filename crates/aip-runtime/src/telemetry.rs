@@ -17,10 +17,19 @@ pub enum LogFormat {
 /// Installs the global subscriber. The filter comes from `RUST_LOG` when set, else
 /// `default_filter` (e.g. `info`). Calling it twice is harmless.
 pub fn init(format: LogFormat, default_filter: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let result = match format {
-        LogFormat::Pretty => fmt().with_env_filter(filter).with_writer(std::io::stderr).compact().try_init(),
-        LogFormat::Json => fmt().with_env_filter(filter).with_writer(std::io::stderr).json().try_init(),
+        LogFormat::Pretty => fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .compact()
+            .try_init(),
+        LogFormat::Json => fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .json()
+            .try_init(),
     };
     drop(result);
 }

@@ -42,10 +42,13 @@ impl Principal {
     /// Whether this principal may register `client_id` as `client_type`.
     pub fn may_register(&self, client_id: &str, client_type: ClientType) -> bool {
         self.roles.contains(&client_type)
-            && self.client_ids.iter().any(|pattern| match pattern.strip_suffix('*') {
-                Some(prefix) => client_id.starts_with(prefix),
-                None => pattern == client_id,
-            })
+            && self
+                .client_ids
+                .iter()
+                .any(|pattern| match pattern.strip_suffix('*') {
+                    Some(prefix) => client_id.starts_with(prefix),
+                    None => pattern == client_id,
+                })
     }
 }
 
@@ -106,8 +109,14 @@ impl Credentials {
     /// Reads a credentials file.
     pub fn load(path: &Path) -> Result<Self, CredentialsError> {
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| CredentialsError::Read { path: shown.clone(), source })?;
-        Self::parse(&text).map_err(|message| CredentialsError::Invalid { path: shown, message })
+        let text = std::fs::read_to_string(path).map_err(|source| CredentialsError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|message| CredentialsError::Invalid {
+            path: shown,
+            message,
+        })
     }
 
     /// Parses credentials from TOML text.
@@ -117,23 +126,40 @@ impl Credentials {
         for entry in file.credential {
             let hash = entry.token_sha256.to_ascii_lowercase();
             if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(format!("credential `{}`: token_sha256 must be 64 hex digits (the sha256 of the token)", entry.name));
+                return Err(format!(
+                    "credential `{}`: token_sha256 must be 64 hex digits (the sha256 of the token)",
+                    entry.name
+                ));
             }
             if entry.client_ids.is_empty() || entry.roles.is_empty() {
-                return Err(format!("credential `{}`: client_ids and roles must not be empty", entry.name));
+                return Err(format!(
+                    "credential `{}`: client_ids and roles must not be empty",
+                    entry.name
+                ));
             }
-            let principal = Principal { name: entry.name, client_ids: entry.client_ids, roles: entry.roles };
+            let principal = Principal {
+                name: entry.name,
+                client_ids: entry.client_ids,
+                roles: entry.roles,
+            };
             entries.push((hash, principal));
         }
-        Ok(Credentials { entries: Some(entries) })
+        Ok(Credentials {
+            entries: Some(entries),
+        })
     }
 
     /// The principal a token authenticates, if any. Without authentication, anyone is
     /// [`Principal::anonymous`].
     pub fn authenticate(&self, token: Option<&str>) -> Option<Principal> {
-        let Some(entries) = &self.entries else { return Some(Principal::anonymous()) };
+        let Some(entries) = &self.entries else {
+            return Some(Principal::anonymous());
+        };
         let hash = hex::encode(Sha256::digest(token?.as_bytes()));
-        entries.iter().find(|(h, _)| constant_time_eq(h.as_bytes(), hash.as_bytes())).map(|(_, p)| p.clone())
+        entries
+            .iter()
+            .find(|(h, _)| constant_time_eq(h.as_bytes(), hash.as_bytes()))
+            .map(|(_, p)| p.clone())
     }
 }
 

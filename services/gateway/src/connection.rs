@@ -12,12 +12,13 @@ use aip_bus::{BusError, Headers, Message as BusMessage, names};
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
 use futures::{SinkExt, StreamExt};
 use proto_schemas::registry::{
-    AgentStatus, GetAgent, GetAgentReply, RegisterAgent, RegisterReply, UnregisterAgent, UnregisterReply,
+    AgentStatus, GetAgent, GetAgentReply, RegisterAgent, RegisterReply, UnregisterAgent,
+    UnregisterReply,
 };
 use proto_schemas::sessions::{ConnectionClosed, GatewayEvent, InboundFrame};
 use proto_schemas::{
-    ClientMessage, ClientMessageType, ClientType, ErrorCode, Extension, Platform, ServerMessage, TaskStatus, V1,
-    parse_client_frame, register_details, server,
+    ClientMessage, ClientMessageType, ClientType, ErrorCode, Extension, Platform, ServerMessage,
+    TaskStatus, V1, parse_client_frame, register_details, server,
 };
 use tokio::sync::mpsc;
 
@@ -77,7 +78,10 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
                 Outbound::Frame(text) => sink.send(Message::Text(text)).await,
                 Outbound::Ping => sink.send(Message::Ping(Default::default())).await,
                 Outbound::Close(code, reason) => {
-                    let frame = CloseFrame { code, reason: Utf8Bytes::from(reason) };
+                    let frame = CloseFrame {
+                        code,
+                        reason: Utf8Bytes::from(reason),
+                    };
                     let _ = sink.send(Message::Close(Some(frame))).await;
                     break;
                 }
@@ -140,24 +144,38 @@ impl Connection {
         };
         let first = match first {
             Err(_) => {
-                let text = format!("no register frame within {} ms of connecting", settings.register_timeout_ms);
+                let text = format!(
+                    "no register frame within {} ms of connecting",
+                    settings.register_timeout_ms
+                );
                 self.send(server::error(ErrorCode::RegistrationFailed, &text));
                 self.close(close::POLICY, "registration deadline passed");
                 return Ended { reason: text };
             }
-            Ok(None) => return Ended { reason: "closed before registering".into() },
+            Ok(None) => {
+                return Ended {
+                    reason: "closed before registering".into(),
+                };
+            }
             Ok(Some(Err(e))) => return self.read_failed(e),
             Ok(Some(Ok(message))) => message,
         };
         let bytes = match first {
             Message::Text(text) => text,
             Message::Binary(_) => {
-                let text = "binary frames are not supported: send each AIP frame as JSON in a text frame";
+                let text =
+                    "binary frames are not supported: send each AIP frame as JSON in a text frame";
                 self.send(server::error(ErrorCode::ProtocolError, text));
                 self.close(close::PROTOCOL, "binary frame");
-                return Ended { reason: text.into() };
+                return Ended {
+                    reason: text.into(),
+                };
             }
-            Message::Close(_) => return Ended { reason: "closed before registering".into() },
+            Message::Close(_) => {
+                return Ended {
+                    reason: "closed before registering".into(),
+                };
+            }
             Message::Ping(_) | Message::Pong(_) => {
                 // Control frames before REGISTER: wait for the real first frame once more.
                 return Box::pin(self.run(stream)).await;
@@ -236,21 +254,29 @@ impl Connection {
 
     fn read_failed(&self, e: axum::Error) -> Ended {
         let text = e.to_string();
-        if text.contains("Space limit exceeded") || text.contains("too long") || text.contains("too big") {
+        if text.contains("Space limit exceeded")
+            || text.contains("too long")
+            || text.contains("too big")
+        {
             let limit = self.state.settings.gateway.max_frame_bytes;
             let reason = format!("frame larger than the limit of {limit} bytes");
             self.send(server::error(ErrorCode::FrameTooLarge, &reason));
             self.close(close::TOO_BIG, &reason);
             return Ended { reason };
         }
-        Ended { reason: format!("read failed: {text}") }
+        Ended {
+            reason: format!("read failed: {text}"),
+        }
     }
 
     /// Queues a frame for the client. A full queue means the client is not reading: it is
     /// disconnected by the caller's next check; here the frame is counted as refused.
     fn send(&self, message: ServerMessage) -> bool {
         match serde_json::to_string(&message) {
-            Ok(text) => self.out.try_send(Outbound::Frame(Utf8Bytes::from(text))).is_ok(),
+            Ok(text) => self
+                .out
+                .try_send(Outbound::Frame(Utf8Bytes::from(text)))
+                .is_ok(),
             Err(e) => {
                 tracing::error!("server frame not serialisable: {e}");
                 true
@@ -263,7 +289,11 @@ impl Connection {
         let out = self.out.clone();
         let reason = reason.to_owned();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(1), out.send(Outbound::Close(code, reason))).await;
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                out.send(Outbound::Close(code, reason)),
+            )
+            .await;
         });
     }
 
@@ -276,7 +306,10 @@ impl Connection {
         Ended { reason }
     }
 
-    async fn register(&mut self, text: &str) -> Result<(aip_bus::Subscription, Arc<crate::presence::Liveness>), Ended> {
+    async fn register(
+        &mut self,
+        text: &str,
+    ) -> Result<(aip_bus::Subscription, Arc<crate::presence::Liveness>), Ended> {
         let refuse = |this: &Self, code: ErrorCode, text: String, close_code: u16| {
             this.send(server::error(code, &text));
             this.close(close_code, "registration refused");
@@ -284,15 +317,34 @@ impl Connection {
         };
         let frame = match parse_client_frame(text.as_bytes()) {
             Ok(frame) => frame,
-            Err(e) => return Err(refuse(self, e.code, format!("registration refused: {e}"), close::PROTOCOL)),
+            Err(e) => {
+                return Err(refuse(
+                    self,
+                    e.code,
+                    format!("registration refused: {e}"),
+                    close::PROTOCOL,
+                ));
+            }
         };
         if frame.kind != ClientMessageType::Register {
             let text = format!("the first frame must be `register`, got `{}`", frame.kind);
-            return Err(refuse(self, ErrorCode::ProtocolError, text, close::PROTOCOL));
+            return Err(refuse(
+                self,
+                ErrorCode::ProtocolError,
+                text,
+                close::PROTOCOL,
+            ));
         }
         let details = match register_details(&frame) {
             Ok(d) => d,
-            Err(e) => return Err(refuse(self, e.code, format!("registration refused: {e}"), close::PROTOCOL)),
+            Err(e) => {
+                return Err(refuse(
+                    self,
+                    e.code,
+                    format!("registration refused: {e}"),
+                    close::PROTOCOL,
+                ));
+            }
         };
         let client_id = frame.client_id.clone().unwrap_or_default();
         let client_type = frame.client_type_or_default();
@@ -313,7 +365,11 @@ impl Connection {
             connection_id: self.connection_id.clone(),
             principal: self.principal.name.clone(),
             platform: details.platform,
-            target_id: if client_type == ClientType::Constellation { target_id.clone() } else { None },
+            target_id: if client_type == ClientType::Constellation {
+                target_id.clone()
+            } else {
+                None
+            },
             capabilities: details.capabilities,
             tools: details.tools,
             system_info: details.system_info,
@@ -324,9 +380,19 @@ impl Connection {
         let subject = self.state.subjects.deliver(&client_id);
         let deliveries = match self.state.bus.subscribe(subject).await {
             Ok(s) => s,
-            Err(e) => return Err(refuse(self, ErrorCode::Unavailable, format!("registration failed: {e}"), close::TRY_AGAIN)),
+            Err(e) => {
+                return Err(refuse(
+                    self,
+                    ErrorCode::Unavailable,
+                    format!("registration failed: {e}"),
+                    close::TRY_AGAIN,
+                ));
+            }
         };
-        let reply: RegisterReply = match self.request(self.state.subjects.registry_register(), &request).await {
+        let reply: RegisterReply = match self
+            .request(self.state.subjects.registry_register(), &request)
+            .await
+        {
             Ok(reply) => reply,
             Err(text) => return Err(refuse(self, ErrorCode::Unavailable, text, close::TRY_AGAIN)),
         };
@@ -335,17 +401,29 @@ impl Connection {
             Err(body) => return Err(refuse(self, body.error_code, body.detail, close::NORMAL)),
         };
         if let Some(old) = registered.replaced_connection {
-            let headers = Headers::new().with(names::CONTROL, "disconnect").with(names::CONNECTION, old);
+            let headers = Headers::new()
+                .with(names::CONTROL, "disconnect")
+                .with(names::CONNECTION, old);
             let subject = self.state.subjects.deliver(&client_id);
-            if let Err(e) = self.state.bus.publish(subject, headers, Default::default()).await {
+            if let Err(e) = self
+                .state
+                .bus
+                .publish(subject, headers, Default::default())
+                .await
+            {
                 tracing::warn!(client = %client_id, "could not tell the stale connection to close: {e}");
             }
         }
         self.send(server::registered(&details.extensions));
         let liveness = self.state.presence.insert(&self.connection_id, &client_id);
         tracing::info!(client = %client_id, kind = client_type.as_str(), connection = %self.connection_id, "registered");
-        self.identity =
-            Some(Identity { client_id, client_type, target_id, platform: details.platform, extensions: details.extensions });
+        self.identity = Some(Identity {
+            client_id,
+            client_type,
+            target_id,
+            platform: details.platform,
+            extensions: details.extensions,
+        });
         Ok((deliveries, liveness))
     }
 
@@ -357,8 +435,14 @@ impl Connection {
     ) -> Result<Rep, String> {
         let payload = serde_json::to_vec(body).map_err(|e| format!("internal error: {e}"))?;
         let timeout = Duration::from_millis(self.state.settings.gateway.request_timeout_ms);
-        match self.state.bus.request(subject, Headers::new(), payload.into(), timeout).await {
-            Ok(reply) => serde_json::from_slice(&reply.payload).map_err(|e| format!("invalid reply from a service: {e}")),
+        match self
+            .state
+            .bus
+            .request(subject, Headers::new(), payload.into(), timeout)
+            .await
+        {
+            Ok(reply) => serde_json::from_slice(&reply.payload)
+                .map_err(|e| format!("invalid reply from a service: {e}")),
             Err(BusError::NoResponders { .. }) => {
                 Err("the agent registry is not running: try again later".to_owned())
             }
@@ -373,7 +457,10 @@ impl Connection {
             connection_id: self.connection_id.clone(),
             reason: reason.to_owned(),
         };
-        if let Err(e) = self.request::<_, UnregisterReply>(self.state.subjects.registry_unregister(), &request).await {
+        if let Err(e) = self
+            .request::<_, UnregisterReply>(self.state.subjects.registry_unregister(), &request)
+            .await
+        {
             // The registry also learns it from the missing presence, within its window.
             tracing::warn!(client = %identity.client_id, "unregister not confirmed: {e}");
         }
@@ -383,8 +470,13 @@ impl Connection {
     fn on_delivery(&self, message: BusMessage) -> Option<Ended> {
         if message.headers.get(names::CONTROL) == Some("disconnect") {
             if message.headers.get(names::CONNECTION) == Some(self.connection_id.as_str()) {
-                self.close(close::POLICY, "replaced by a newer connection of the same client");
-                return Some(Ended { reason: "replaced by a newer connection".into() });
+                self.close(
+                    close::POLICY,
+                    "replaced by a newer connection of the same client",
+                );
+                return Some(Ended {
+                    reason: "replaced by a newer connection".into(),
+                });
             }
             return None;
         }
@@ -395,7 +487,11 @@ impl Connection {
                 return None;
             }
         };
-        if self.out.try_send(Outbound::Frame(Utf8Bytes::from(text))).is_err() {
+        if self
+            .out
+            .try_send(Outbound::Frame(Utf8Bytes::from(text)))
+            .is_err()
+        {
             return Some(self.too_slow());
         }
         None
@@ -412,7 +508,9 @@ impl Connection {
             ));
             if self.refused_in_a_row > limit.max(10) {
                 self.close(close::POLICY, "rate limit exceeded persistently");
-                return Some(Ended { reason: "rate limit exceeded persistently".into() });
+                return Some(Ended {
+                    reason: "rate limit exceeded persistently".into(),
+                });
             }
             return None;
         }
@@ -424,17 +522,25 @@ impl Connection {
                 return None;
             }
         };
-        let Some(identity) = self.identity.clone() else { return None };
+        let Some(identity) = self.identity.clone() else {
+            return None;
+        };
         if let Some(claimed) = frame.client_id.as_deref() {
             if !claimed.is_empty() && claimed != identity.client_id {
-                self.send(server::error(ErrorCode::Forbidden, "client_id does not match the registered connection"));
+                self.send(server::error(
+                    ErrorCode::Forbidden,
+                    "client_id does not match the registered connection",
+                ));
                 return None;
             }
         }
         if frame.kind != ClientMessageType::Heartbeat {
             if let Some(claimed) = frame.client_type {
                 if claimed != identity.client_type {
-                    self.send(server::error(ErrorCode::Forbidden, "client_type does not match the registered connection"));
+                    self.send(server::error(
+                        ErrorCode::Forbidden,
+                        "client_type does not match the registered connection",
+                    ));
                     return None;
                 }
             }
@@ -447,10 +553,16 @@ impl Connection {
             }
             ClientMessageType::DeviceInfoRequest => self.device_info(&identity, &frame).await,
             ClientMessageType::Register => {
-                self.send(server::error(ErrorCode::ProtocolError, "Unknown message type: register (already registered)"));
+                self.send(server::error(
+                    ErrorCode::ProtocolError,
+                    "Unknown message type: register (already registered)",
+                ));
             }
             ClientMessageType::Error => {
-                let text = frame.error.clone().unwrap_or_else(|| "client reported an error".to_owned());
+                let text = frame
+                    .error
+                    .clone()
+                    .unwrap_or_else(|| "client reported an error".to_owned());
                 self.send(server::error(ErrorCode::ProtocolError, text));
             }
             ClientMessageType::DeviceInfoResponse => {}
@@ -463,26 +575,45 @@ impl Connection {
     async fn device_info(&self, identity: &Identity, frame: &ClientMessage) {
         let request_id = frame.request_id.as_deref();
         if identity.client_type != ClientType::Constellation {
-            self.send(server::error(ErrorCode::Forbidden, "DEVICE_INFO_REQUEST is permitted only for constellation clients"));
+            self.send(server::error(
+                ErrorCode::Forbidden,
+                "DEVICE_INFO_REQUEST is permitted only for constellation clients",
+            ));
             return;
         }
         let target = frame.target_id.clone().unwrap_or_default();
         if let Some(bound) = &identity.target_id {
             if *bound != target {
-                self.send(server::error(ErrorCode::Forbidden, "Not authorized to request device info for this device"));
+                self.send(server::error(
+                    ErrorCode::Forbidden,
+                    "Not authorized to request device info for this device",
+                ));
                 return;
             }
         }
-        let request = GetAgent { version: V1, agent_id: target.clone() };
-        let reply = match self.request::<_, GetAgentReply>(self.state.subjects.registry_get(), &request).await {
+        let request = GetAgent {
+            version: V1,
+            agent_id: target.clone(),
+        };
+        let reply = match self
+            .request::<_, GetAgentReply>(self.state.subjects.registry_get(), &request)
+            .await
+        {
             Ok(reply) => reply,
             Err(text) => {
-                self.send(server::device_info_error(request_id, text, ErrorCode::Unavailable));
+                self.send(server::device_info_error(
+                    request_id,
+                    text,
+                    ErrorCode::Unavailable,
+                ));
                 return;
             }
         };
         match reply.into_result() {
-            Ok(agent) if agent.status != AgentStatus::Offline && agent.client_type == ClientType::Device => {
+            Ok(agent)
+                if agent.status != AgentStatus::Offline
+                    && agent.client_type == ClientType::Device =>
+            {
                 match agent.system_info {
                     Some(info) => self.send(server::device_info(request_id, info)),
                     None => self.send(server::device_info_error(
@@ -520,16 +651,35 @@ impl Connection {
             received_at: server::timestamp_now(),
             frame,
         });
-        let Err(text) = self.publish_event(&identity.client_id, &event, msg_id).await else { return };
+        let Err(text) = self
+            .publish_event(&identity.client_id, &event, msg_id)
+            .await
+        else {
+            return;
+        };
         let text = format!("`{kind}` frame not accepted: {text}");
         match (kind, session_id) {
             (ClientMessageType::Task, Some(session_id)) => {
-                self.send(server::session_error(ErrorCode::Unavailable, &text, &session_id));
+                self.send(server::session_error(
+                    ErrorCode::Unavailable,
+                    &text,
+                    &session_id,
+                ));
                 let end_id = server::new_id();
-                self.send(server::task_end(&session_id, TaskStatus::Failed, None, Some(text), &end_id));
+                self.send(server::task_end(
+                    &session_id,
+                    TaskStatus::Failed,
+                    None,
+                    Some(text),
+                    &end_id,
+                ));
             }
             (_, Some(session_id)) => {
-                self.send(server::session_error(ErrorCode::Unavailable, text, &session_id));
+                self.send(server::session_error(
+                    ErrorCode::Unavailable,
+                    text,
+                    &session_id,
+                ));
             }
             (_, None) => {
                 self.send(server::error(ErrorCode::Unavailable, text));
@@ -537,7 +687,12 @@ impl Connection {
         }
     }
 
-    async fn publish_event(&self, client_id: &str, event: &GatewayEvent, msg_id: String) -> Result<(), String> {
+    async fn publish_event(
+        &self,
+        client_id: &str,
+        event: &GatewayEvent,
+        msg_id: String,
+    ) -> Result<(), String> {
         let body = serde_json::to_vec(event).map_err(|e| format!("internal error: {e}"))?;
         let limit = self.state.bus.max_payload();
         if body.len() > limit {
@@ -547,11 +702,17 @@ impl Connection {
             ));
         }
         let headers = Headers::new().with(names::MSG_ID, msg_id);
-        match self.state.bus.publish_durable(self.state.subjects.frames(client_id), headers, body.into()).await {
+        match self
+            .state
+            .bus
+            .publish_durable(self.state.subjects.frames(client_id), headers, body.into())
+            .await
+        {
             Ok(()) => Ok(()),
-            Err(BusError::NoStream { .. }) => {
-                Err("the session service has not started (no frames stream); try again later".to_owned())
-            }
+            Err(BusError::NoStream { .. }) => Err(
+                "the session service has not started (no frames stream); try again later"
+                    .to_owned(),
+            ),
             Err(e) => Err(format!("the message bus did not store it: {e}")),
         }
     }
@@ -567,7 +728,10 @@ impl Connection {
             reason: reason.to_owned(),
         });
         let msg_id = format!("{}:closed", self.connection_id);
-        if let Err(e) = self.publish_event(&identity.client_id, &event, msg_id).await {
+        if let Err(e) = self
+            .publish_event(&identity.client_id, &event, msg_id)
+            .await
+        {
             tracing::warn!(client = %identity.client_id, "session service not told of the disconnect: {e}");
         }
     }

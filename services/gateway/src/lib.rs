@@ -80,7 +80,8 @@ pub struct Application {
 impl Application {
     /// Validates settings, loads credentials and binds the listener.
     pub async fn build(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
-        let subjects = Subjects::new(&settings.subject_prefix).map_err(|e| StartError::Config(e.to_string()))?;
+        let subjects = Subjects::new(&settings.subject_prefix)
+            .map_err(|e| StartError::Config(e.to_string()))?;
         let credentials = match &settings.gateway.credentials_file {
             Some(path) => Credentials::load(path).map_err(|e| StartError::Config(e.to_string()))?,
             None => Credentials::disabled(),
@@ -93,10 +94,21 @@ impl Application {
             )));
         }
         if settings.gateway.outbound_queue == 0 || settings.gateway.max_connections == 0 {
-            return Err(StartError::Config("gateway.outbound_queue and gateway.max_connections must be at least 1".into()));
+            return Err(StartError::Config(
+                "gateway.outbound_queue and gateway.max_connections must be at least 1".into(),
+            ));
         }
-        let listener = TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen, source })?;
-        let gateway_id = settings.gateway.gateway_id.clone().unwrap_or_else(default_gateway_id);
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: listen,
+                source,
+            })?;
+        let gateway_id = settings
+            .gateway
+            .gateway_id
+            .clone()
+            .unwrap_or_else(default_gateway_id);
         let state = Arc::new(AppState {
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
             settings,
@@ -113,7 +125,9 @@ impl Application {
 
     /// The bound address (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().unwrap_or_else(|_| self.state.settings.gateway.listen)
+        self.listener
+            .local_addr()
+            .unwrap_or_else(|_| self.state.settings.gateway.listen)
     }
 
     /// This gateway's id.
@@ -128,7 +142,10 @@ impl Application {
 
     /// Serves until `shutdown` completes; then stops accepting, closes every socket with 1001,
     /// sends the last presence batch and waits up to the grace period for connections to end.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
         let state = self.state.clone();
         let presence = tokio::spawn(presence::run(
             state.bus.clone(),
@@ -150,8 +167,14 @@ impl Application {
         state.shutdown.cancel();
         state.tracker.close();
         let grace = Duration::from_millis(state.settings.gateway.shutdown_grace_ms);
-        if tokio::time::timeout(grace, state.tracker.wait()).await.is_err() {
-            tracing::warn!("{} connections still open after the grace period; exiting anyway", state.tracker.len());
+        if tokio::time::timeout(grace, state.tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "{} connections still open after the grace period; exiting anyway",
+                state.tracker.len()
+            );
         }
         let _ = tokio::time::timeout(grace, presence).await;
         if let Err(e) = state.bus.flush().await {
@@ -162,7 +185,10 @@ impl Application {
 }
 
 fn default_gateway_id() -> String {
-    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "gateway".to_owned());
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "gateway".to_owned());
     format!("{host}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
 }
 
@@ -180,7 +206,11 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
     }
     match state.bus.flush().await {
         Ok(()) => "ready".into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("bus unavailable: {e}")).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("bus unavailable: {e}"),
+        )
+            .into_response(),
     }
 }
 
@@ -196,7 +226,11 @@ async fn websocket(
     upgrade: WebSocketUpgrade,
 ) -> Response {
     if state.shutdown.is_cancelled() {
-        return refuse(StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable, "gateway shutting down; connect to another");
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Unavailable,
+            "gateway shutting down; connect to another",
+        );
     }
     let bearer = headers
         .get(header::AUTHORIZATION)
@@ -205,14 +239,21 @@ async fn websocket(
         .map(str::trim);
     let token = query.get("token").map(String::as_str).or(bearer);
     let Some(principal) = state.credentials.authenticate(token) else {
-        let detail = if token.is_some() { "invalid token" } else { "a token is required: ws://HOST/ws?token=KEY or Authorization: Bearer KEY" };
+        let detail = if token.is_some() {
+            "invalid token"
+        } else {
+            "a token is required: ws://HOST/ws?token=KEY or Authorization: Bearer KEY"
+        };
         return refuse(StatusCode::FORBIDDEN, ErrorCode::Unauthorized, detail);
     };
     let Ok(permit) = state.connections.clone().try_acquire_owned() else {
         return refuse(
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::Unavailable,
-            format!("connection limit of {} reached; try another gateway", state.settings.gateway.max_connections),
+            format!(
+                "connection limit of {} reached; try another gateway",
+                state.settings.gateway.max_connections
+            ),
         );
     };
     let max = state.settings.gateway.max_frame_bytes;

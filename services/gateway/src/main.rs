@@ -22,8 +22,12 @@ async fn main() -> anyhow::Result<()> {
     let settings: aip_gateway::Settings = aip_runtime::settings::load(args.config.as_deref())?;
     aip_runtime::telemetry::init(settings.log_format, "info");
     let bus = aip_bus::NatsBus::connect(&settings.nats_url, "aip-gateway").await?;
-    let app = aip_gateway::Application::build(settings, Arc::new(bus)).await.context("gateway did not start")?;
-    app.run_until(aip_runtime::shutdown::signal()).await.context("gateway server failed")?;
+    let app = aip_gateway::Application::build(settings, Arc::new(bus))
+        .await
+        .context("gateway did not start")?;
+    app.run_until(aip_runtime::shutdown::signal())
+        .await
+        .context("gateway server failed")?;
     tracing::info!("gateway stopped");
     Ok(())
 }

@@ -43,7 +43,10 @@ impl PresenceTable {
     pub fn insert(&self, connection_id: &str, client_id: &str) -> Arc<Liveness> {
         let liveness = Arc::new(Liveness::default());
         liveness.touch();
-        self.lock().insert(connection_id.to_owned(), (client_id.to_owned(), liveness.clone()));
+        self.lock().insert(
+            connection_id.to_owned(),
+            (client_id.to_owned(), liveness.clone()),
+        );
         liveness
     }
 
@@ -105,7 +108,10 @@ pub async fn run(
         };
         match serde_json::to_vec(&batch) {
             Ok(body) => {
-                if let Err(e) = bus.publish(subject.clone(), Headers::new(), body.into()).await {
+                if let Err(e) = bus
+                    .publish(subject.clone(), Headers::new(), body.into())
+                    .await
+                {
                     tracing::warn!("presence batch not sent: {e}");
                 }
             }

@@ -15,7 +15,12 @@ impl RateLimiter {
     /// A full bucket for `rate` frames per second (0 disables the limit).
     pub fn new(rate: u32) -> Self {
         let rate = f64::from(rate);
-        RateLimiter { rate, capacity: rate * 2.0, tokens: rate * 2.0, last: Instant::now() }
+        RateLimiter {
+            rate,
+            capacity: rate * 2.0,
+            tokens: rate * 2.0,
+            last: Instant::now(),
+        }
     }
 
     /// Takes one token if there is one.

@@ -1,0 +1,438 @@
+//! # aip-store: the database behind aip's services
+//!
+//! One [`Database`] handle, PostgreSQL (the distributed mode) or SQLite (the embedded mode,
+//! `aip dev`), opened from a URL with [`Database::connect`]. Every service shares the same two
+//! migration sets (`migrations/postgres`, `migrations/sqlite` at the workspace root, files
+//! named `NNNN_<service>_<what>.sql`), embedded at compile time; each service calls
+//! [`Database::migrate`] at start. On PostgreSQL sqlx takes an advisory lock, so replicas
+//! starting together apply each migration once; on SQLite a process-wide lock does the same
+//! for services sharing one process.
+//!
+//! Services build their own stores (e.g. the registry's `AgentStore`) over the pool inside;
+//! this crate knows no table.
+//!
+//! With the `testing` feature, `testing::TestDatabase` makes a throwaway database per test.
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+/// A connection pool to the service database.
+#[derive(Debug, Clone)]
+pub enum Database {
+    /// PostgreSQL (`postgres://` or `postgresql://` URLs).
+    Postgres(PgPool),
+    /// SQLite (`sqlite://` URLs), for the embedded mode.
+    Sqlite(SqlitePool),
+}
+
+/// Which database a [`Database`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// PostgreSQL.
+    Postgres,
+    /// SQLite.
+    Sqlite,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Postgres => "PostgreSQL",
+            Backend::Sqlite => "SQLite",
+        })
+    }
+}
+
+/// Pool sizing and timeouts.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Most connections in the pool (SQLite in-memory databases always use one).
+    pub max_connections: u32,
+    /// How long a query waits for a free connection (and the first connection is given to
+    /// come up) before failing.
+    pub acquire_timeout: Duration,
+    /// How long SQLite waits on a locked database before failing with "database is locked".
+    pub sqlite_busy_timeout: Duration,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(5),
+            sqlite_busy_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why the database could not be opened or migrated. Every message names the URL with its
+/// password masked, and says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum DatabaseError {
+    /// The URL's scheme is none of `postgres://`, `postgresql://`, `sqlite://`.
+    #[error(
+        "unsupported database URL `{url}`: use postgres://user[:password]@host[:port]/database \
+         (or postgresql://) for PostgreSQL, or sqlite://path/to/file.db for SQLite"
+    )]
+    UnsupportedUrl {
+        /// The URL, password masked.
+        url: String,
+    },
+    /// The URL could not be parsed.
+    #[error("invalid database URL `{url}`: {source}")]
+    InvalidUrl {
+        /// The URL, password masked.
+        url: String,
+        /// The parser's complaint.
+        source: sqlx::Error,
+    },
+    /// The directory of an SQLite file could not be created.
+    #[error("cannot create directory {path} for the SQLite database: {source}")]
+    CreateDir {
+        /// The directory.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Connecting failed.
+    #[error("cannot connect to {backend} at `{url}`: {source}. {hint}")]
+    Connect {
+        /// Which database.
+        backend: Backend,
+        /// The URL, password masked.
+        url: String,
+        /// What to check.
+        hint: String,
+        /// The cause.
+        source: sqlx::Error,
+    },
+    /// Applying migrations failed.
+    #[error(
+        "migrating the {backend} database failed: {source}. If a migration was edited after it was \
+         applied, restore it and add a new one instead"
+    )]
+    Migrate {
+        /// Which database.
+        backend: Backend,
+        /// The cause.
+        source: MigrateError,
+    },
+}
+
+/// Serialises SQLite migrations within the process (services of `aip dev` share one file and
+/// start together; SQLite has no migration lock of its own).
+static SQLITE_MIGRATION_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+impl Database {
+    /// Opens a pool with default [`PoolOptions`]. See [`Database::connect_with`].
+    pub async fn connect(url: &str) -> Result<Self, DatabaseError> {
+        Self::connect_with(url, &PoolOptions::default()).await
+    }
+
+    /// Opens a pool and checks that one connection can be made.
+    ///
+    /// - `postgres://…` / `postgresql://…`: the database must exist.
+    /// - `sqlite://path` (relative to the working directory; `sqlite:///abs/path` for absolute
+    ///   paths; `sqlite::memory:` for a private in-memory database): the file and its parent
+    ///   directory are created when missing; WAL journal, `synchronous=NORMAL`, foreign keys on
+    ///   and a busy timeout are set on every connection.
+    pub async fn connect_with(url: &str, options: &PoolOptions) -> Result<Self, DatabaseError> {
+        let masked = mask_url(url);
+        let scheme = url
+            .split_once(':')
+            .map(|(s, _)| s.to_ascii_lowercase())
+            .unwrap_or_default();
+        match scheme.as_str() {
+            "postgres" | "postgresql" => {
+                let connect = PgConnectOptions::from_str(url)
+                    .map_err(|source| DatabaseError::InvalidUrl {
+                        url: masked.clone(),
+                        source,
+                    })?
+                    .application_name("aip");
+                let pool = PgPoolOptions::new()
+                    .max_connections(options.max_connections)
+                    .acquire_timeout(options.acquire_timeout)
+                    .connect_with(connect)
+                    .await
+                    .map_err(|source| DatabaseError::Connect {
+                        backend: Backend::Postgres,
+                        hint: postgres_hint(&source, url),
+                        url: masked.clone(),
+                        source,
+                    })?;
+                tracing::debug!(url = %masked, "connected to PostgreSQL");
+                Ok(Database::Postgres(pool))
+            }
+            "sqlite" => {
+                let connect = SqliteConnectOptions::from_str(url)
+                    .map_err(|source| DatabaseError::InvalidUrl {
+                        url: masked.clone(),
+                        source,
+                    })?
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    .synchronous(SqliteSynchronous::Normal)
+                    .foreign_keys(true)
+                    .busy_timeout(options.sqlite_busy_timeout);
+                let in_memory = is_sqlite_memory(url);
+                if !in_memory {
+                    create_parent_dir(connect.get_filename())?;
+                }
+                let pool = SqlitePoolOptions::new()
+                    .max_connections(if in_memory {
+                        1
+                    } else {
+                        options.max_connections
+                    })
+                    .acquire_timeout(options.acquire_timeout)
+                    // An in-memory database lives as long as its connection.
+                    .idle_timeout(if in_memory {
+                        None
+                    } else {
+                        Some(Duration::from_secs(600))
+                    })
+                    .max_lifetime(if in_memory {
+                        None
+                    } else {
+                        Some(Duration::from_secs(1800))
+                    })
+                    .connect_with(connect)
+                    .await
+                    .map_err(|source| DatabaseError::Connect {
+                        backend: Backend::Sqlite,
+                        hint: "Check that the path is writable and not used by another program."
+                            .to_owned(),
+                        url: masked.clone(),
+                        source,
+                    })?;
+                tracing::debug!(url = %masked, "opened SQLite database");
+                Ok(Database::Sqlite(pool))
+            }
+            _ => Err(DatabaseError::UnsupportedUrl { url: masked }),
+        }
+    }
+
+    /// Which database this is.
+    pub fn backend(&self) -> Backend {
+        match self {
+            Database::Postgres(_) => Backend::Postgres,
+            Database::Sqlite(_) => Backend::Sqlite,
+        }
+    }
+
+    /// Applies every embedded migration not yet applied. Migrations applied by a newer build
+    /// (unknown to this one) are tolerated, so services can be upgraded one at a time.
+    pub async fn migrate(&self) -> Result<(), DatabaseError> {
+        match self {
+            Database::Postgres(pool) => {
+                let mut migrator: Migrator = sqlx::migrate!("../../migrations/postgres");
+                migrator.set_ignore_missing(true);
+                migrator
+                    .run(pool)
+                    .await
+                    .map_err(|source| DatabaseError::Migrate {
+                        backend: Backend::Postgres,
+                        source,
+                    })
+            }
+            Database::Sqlite(pool) => {
+                let _guard = SQLITE_MIGRATION_LOCK.lock().await;
+                let mut migrator: Migrator = sqlx::migrate!("../../migrations/sqlite");
+                migrator.set_ignore_missing(true);
+                migrator
+                    .run(pool)
+                    .await
+                    .map_err(|source| DatabaseError::Migrate {
+                        backend: Backend::Sqlite,
+                        source,
+                    })
+            }
+        }
+    }
+
+    /// Checks that the database answers (`SELECT 1`), for readiness probes.
+    pub async fn ping(&self) -> Result<(), sqlx::Error> {
+        match self {
+            Database::Postgres(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
+            Database::Sqlite(pool) => sqlx::query("SELECT 1").execute(pool).await.map(drop),
+        }
+    }
+
+    /// Closes the pool, waiting for connections in use to be returned.
+    pub async fn close(&self) {
+        match self {
+            Database::Postgres(pool) => pool.close().await,
+            Database::Sqlite(pool) => pool.close().await,
+        }
+    }
+}
+
+fn is_sqlite_memory(url: &str) -> bool {
+    url.contains(":memory:") || url.contains("mode=memory")
+}
+
+fn create_parent_dir(file: &Path) -> Result<(), DatabaseError> {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() && !dir.exists() => std::fs::create_dir_all(dir)
+            .map_err(|source| DatabaseError::CreateDir {
+                path: dir.display().to_string(),
+                source,
+            }),
+        _ => Ok(()),
+    }
+}
+
+/// What to check after a failed PostgreSQL connection.
+fn postgres_hint(error: &sqlx::Error, url: &str) -> String {
+    let code = match error {
+        sqlx::Error::Database(e) => e.code().map(|c| c.into_owned()),
+        _ => None,
+    };
+    match code.as_deref() {
+        Some("3D000") => {
+            let db = database_name(url).unwrap_or("<database>");
+            format!(
+                "The database does not exist: create it (e.g. `createdb {db}` or `CREATE DATABASE \"{db}\"`)."
+            )
+        }
+        Some("28P01") | Some("28000") => {
+            "The server refused the login: check the user and password in the URL and pg_hba.conf."
+                .to_owned()
+        }
+        _ => match error {
+            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => {
+                "Is PostgreSQL running and listening on that host and port?".to_owned()
+            }
+            _ => "Check the URL and that the server accepts connections.".to_owned(),
+        },
+    }
+}
+
+/// The database name of a `postgres://…/name?…` URL.
+fn database_name(url: &str) -> Option<&str> {
+    let after_scheme = url.split_once("://")?.1;
+    let path = after_scheme.split_once('/')?.1;
+    let name = path.split(['?', '#']).next()?;
+    (!name.is_empty()).then_some(name)
+}
+
+/// The URL with its password (if any) replaced by `***`, for logs and error messages.
+///
+/// ```
+/// assert_eq!(aip_store::mask_url("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+/// assert_eq!(aip_store::mask_url("postgres://u@h/db"), "postgres://u@h/db");
+/// assert_eq!(aip_store::mask_url("sqlite://data/aip.db"), "sqlite://data/aip.db");
+/// ```
+pub fn mask_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some(at) = authority.rfind('@') else {
+        return url.to_owned();
+    };
+    let (userinfo, host) = authority.split_at(at);
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***{host}{tail}"),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_passwords_only() {
+        assert_eq!(
+            mask_url("postgresql://a:b:c@h/db?x=1"),
+            "postgresql://a:***@h/db?x=1"
+        );
+        assert_eq!(mask_url("postgres://h/db"), "postgres://h/db");
+        assert_eq!(mask_url("not a url"), "not a url");
+        assert_eq!(
+            mask_url("postgres://u:p@h/db/x@y"),
+            "postgres://u:***@h/db/x@y"
+        );
+    }
+
+    #[test]
+    fn database_names() {
+        assert_eq!(
+            database_name("postgres://u@h:5432/aip?sslmode=disable"),
+            Some("aip")
+        );
+        assert_eq!(database_name("postgres://u@h:5432"), None);
+    }
+
+    #[tokio::test]
+    async fn unsupported_urls_say_what_is_accepted() {
+        let err = Database::connect("mysql://root:pw@localhost/db")
+            .await
+            .expect_err("mysql is not supported");
+        let text = err.to_string();
+        assert!(text.contains("mysql://root:***@localhost/db"), "{text}");
+        assert!(text.contains("sqlite://"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn sqlite_creates_the_file_and_its_directory() {
+        let dir = std::env::temp_dir().join(format!("aip-store-{}", uuid::Uuid::new_v4().simple()));
+        let file = dir.join("nested").join("aip.db");
+        let db = Database::connect(&format!("sqlite://{}", file.display()))
+            .await
+            .expect("sqlite opens");
+        db.migrate().await.expect("migrations apply");
+        db.migrate().await.expect("migrating twice is harmless");
+        db.ping().await.expect("ping");
+        assert!(file.exists());
+        db.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn sqlite_in_memory_works() {
+        let db = Database::connect("sqlite::memory:")
+            .await
+            .expect("in-memory sqlite");
+        db.migrate().await.expect("migrations apply");
+        let Database::Sqlite(pool) = &db else {
+            panic!("sqlite expected")
+        };
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM agents")
+            .fetch_one(pool)
+            .await
+            .expect("agents exists");
+        assert_eq!(n, 0);
+    }
+
+    #[tokio::test]
+    async fn postgres_connection_errors_mask_the_password_and_give_a_hint() {
+        // Port 1 on loopback: nothing listens there.
+        let err = Database::connect_with(
+            "postgres://user:hunter2@127.0.0.1:1/db",
+            &PoolOptions {
+                acquire_timeout: Duration::from_secs(2),
+                ..PoolOptions::default()
+            },
+        )
+        .await
+        .expect_err("nothing listens on port 1");
+        let text = err.to_string();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("user:***@127.0.0.1:1/db"), "{text}");
+        assert!(text.contains("Is PostgreSQL running"), "{text}");
+    }
+}

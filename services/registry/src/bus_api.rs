@@ -1,0 +1,210 @@
+//! The registry's request/reply subjects on the bus.
+//!
+//! Each subject (`registry.register`, `registry.unregister`, `registry.get`,
+//! `registry.lookup`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
+//! work. Every request runs in its own task, holding a permit of one semaphore shared by all
+//! subjects: at most `max_in_flight` requests at once, and the subscription is not read while
+//! none is free (NATS buffers, then drops as a slow consumer; the caller times out and retries).
+//!
+//! Replies are a JSON [`Reply`]: `{"ok": …}` or `{"error": {"detail", "error_code"}}`; error
+//! replies also carry the code in the `Aip-Error-Code` header.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use aip_bus::{Bus, Headers, Message, SharedBus, Subscription, names};
+use futures::StreamExt;
+use proto_schemas::registry::Reply;
+use proto_schemas::{ErrorBody, ErrorCode, Subjects};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::registry::Registry;
+
+/// The queue group of every registry subscription.
+pub const QUEUE_GROUP: &str = "aip-registry";
+
+/// The request subjects, subscribed (before the application starts serving).
+pub struct RequestSubscriptions {
+    register: Subscription,
+    unregister: Subscription,
+    get: Subscription,
+    lookup: Subscription,
+}
+
+impl RequestSubscriptions {
+    /// Queue-subscribes to every request subject.
+    pub async fn subscribe(bus: &dyn Bus, subjects: &Subjects) -> Result<Self, aip_bus::BusError> {
+        let group = || QUEUE_GROUP.to_owned();
+        Ok(RequestSubscriptions {
+            register: bus
+                .queue_subscribe(subjects.registry_register(), group())
+                .await?,
+            unregister: bus
+                .queue_subscribe(subjects.registry_unregister(), group())
+                .await?,
+            get: bus
+                .queue_subscribe(subjects.registry_get(), group())
+                .await?,
+            lookup: bus
+                .queue_subscribe(subjects.registry_lookup(), group())
+                .await?,
+        })
+    }
+
+    /// Serves every subject until `stop` is cancelled (then unsubscribes; requests already
+    /// taken are finished, unless `abandon` is cancelled too; wait for them by acquiring all
+    /// of `limiter`'s permits).
+    pub async fn serve(
+        self,
+        registry: Registry,
+        bus: SharedBus,
+        limiter: Arc<Semaphore>,
+        stop: CancellationToken,
+        abandon: CancellationToken,
+    ) {
+        let ctx = Ctx {
+            bus,
+            limiter,
+            stop,
+            abandon,
+        };
+        let r = registry.clone();
+        let register = serve(
+            "registry.register",
+            self.register,
+            ctx.clone(),
+            move |req| {
+                let r = r.clone();
+                async move { r.register(req).await }
+            },
+        );
+        let r = registry.clone();
+        let unregister = serve(
+            "registry.unregister",
+            self.unregister,
+            ctx.clone(),
+            move |req| {
+                let r = r.clone();
+                async move { r.unregister(req).await }
+            },
+        );
+        let r = registry.clone();
+        let get = serve("registry.get", self.get, ctx.clone(), move |req| {
+            let r = r.clone();
+            async move { r.get(req).await }
+        });
+        let r = registry;
+        let lookup = serve("registry.lookup", self.lookup, ctx, move |req| {
+            let r = r.clone();
+            async move { r.lookup(req).await }
+        });
+        tokio::join!(register, unregister, get, lookup);
+    }
+}
+
+#[derive(Clone)]
+struct Ctx {
+    bus: SharedBus,
+    limiter: Arc<Semaphore>,
+    stop: CancellationToken,
+    abandon: CancellationToken,
+}
+
+/// Reads one subscription, running `handler` for each request in its own bounded task.
+async fn serve<Req, Resp, F, Fut>(
+    name: &'static str,
+    mut subscription: Subscription,
+    ctx: Ctx,
+    handler: F,
+) where
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    F: Fn(Req) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ErrorBody>> + Send + 'static,
+{
+    loop {
+        let message = tokio::select! {
+            biased;
+            () = ctx.stop.cancelled() => break,
+            message = subscription.next() => match message {
+                Some(message) => message,
+                None => {
+                    tracing::warn!(subject = name, "subscription ended");
+                    break;
+                }
+            },
+        };
+        if message.reply.is_none() {
+            tracing::warn!(subject = %message.subject, "ignoring a message without reply subject: requests must use request/reply");
+            continue;
+        }
+        // Taken messages are always answered, even if shutdown starts while waiting here.
+        let Ok(permit) = ctx.limiter.clone().acquire_owned().await else {
+            break;
+        };
+        let parsed = parse::<Req>(name, &message.payload);
+        let work = parsed.map(&handler);
+        let bus = ctx.bus.clone();
+        let abandon = ctx.abandon.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let result = match work {
+                Ok(future) => tokio::select! {
+                    result = future => result,
+                    () = abandon.cancelled() => return,
+                },
+                Err(refusal) => Err(refusal),
+            };
+            reply(&*bus, &message, result).await;
+        });
+    }
+    drop(subscription);
+    tracing::debug!(subject = name, "stopped serving");
+}
+
+/// Parses a request, or the error that says what is wrong with it.
+fn parse<Req: DeserializeOwned>(name: &str, payload: &[u8]) -> Result<Req, ErrorBody> {
+    let mut deserializer = serde_json::Deserializer::from_slice(payload);
+    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path == "." {
+            String::new()
+        } else {
+            format!(" at `{path}`")
+        };
+        ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!("invalid {name} request{at}: {}", e.into_inner()),
+        )
+    })
+}
+
+/// Sends the reply (the error code also as a header).
+pub(crate) async fn reply<T: Serialize>(
+    bus: &dyn Bus,
+    request: &Message,
+    result: Result<T, ErrorBody>,
+) {
+    let mut headers = Headers::new();
+    if let Err(error) = &result {
+        headers.insert(names::ERROR_CODE, error.error_code.as_str());
+    }
+    let body = match serde_json::to_vec(&Reply::from(result)) {
+        Ok(body) => body,
+        Err(e) => {
+            tracing::error!(subject = %request.subject, "reply not serialisable: {e}");
+            headers.insert(names::ERROR_CODE, ErrorCode::Internal.as_str());
+            let fallback: Reply<()> = Reply::Error(ErrorBody::new(
+                ErrorCode::Internal,
+                "the registry could not encode its reply",
+            ));
+            serde_json::to_vec(&fallback).unwrap_or_default()
+        }
+    };
+    if let Err(e) = aip_bus::respond(bus, request, headers, body.into()).await {
+        tracing::warn!(subject = %request.subject, "reply not sent: {e}");
+    }
+}

@@ -1,0 +1,285 @@
+//! The registry's rules, above any bus and any database.
+//!
+//! [`Registry`] answers the four requests (register, unregister, get, lookup) with the
+//! payloads of `proto_schemas::registry`, refusing with an [`ErrorBody`] whose code and text
+//! are what the gateway forwards to the client. The admission rule for a registration,
+//! [`admit`], is a pure function the store runs inside its transaction.
+
+use std::sync::Arc;
+
+use proto_schemas::registry::{
+    AgentRecord, GetAgent, LookupAgents, RegisterAgent, Registered, UnregisterAgent, Unregistered,
+};
+use proto_schemas::{ClientType, ErrorBody, ErrorCode};
+
+use crate::python_repr::python_repr;
+use crate::store::{AgentStore, Holder, LookupQuery, RegisterOutcome, StoreError, Windows};
+
+/// Lookup answers at most this many agents unless asked for fewer.
+pub const DEFAULT_LOOKUP_LIMIT: u32 = 10;
+/// Lookup never answers more than this many agents.
+pub const MAX_LOOKUP_LIMIT: u32 = 1000;
+
+/// The registry's request handlers.
+#[derive(Clone)]
+pub struct Registry {
+    store: Arc<dyn AgentStore>,
+    windows: Windows,
+}
+
+impl Registry {
+    /// A registry over `store`, judging liveness by `windows`.
+    pub fn new(store: Arc<dyn AgentStore>, windows: Windows) -> Self {
+        Registry { store, windows }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn AgentStore> {
+        &self.store
+    }
+
+    /// `registry.register`, with UFO's checks in UFO's order: a constellation's target must
+    /// be a live device; a live id held by another connection is refused unless the same
+    /// principal takes it over.
+    pub async fn register(&self, request: RegisterAgent) -> Result<Registered, ErrorBody> {
+        for (field, value) in [
+            ("agent_id", &request.agent_id),
+            ("gateway_id", &request.gateway_id),
+            ("connection_id", &request.connection_id),
+            ("principal", &request.principal),
+        ] {
+            if value.is_empty() {
+                return Err(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("{field} must not be empty"),
+                ));
+            }
+        }
+        if request.client_type == ClientType::Constellation
+            && let Some(target) = request.target_id.as_deref()
+            && !self
+                .store
+                .is_live_device(target, &self.windows)
+                .await
+                .map_err(store_failure)?
+        {
+            return Err(ErrorBody::new(
+                ErrorCode::RegistrationFailed,
+                format!("Target device '{target}' is not connected"),
+            ));
+        }
+        let admit_request = |holder: Option<&Holder>| admit(&request, holder);
+        match self
+            .store
+            .register(&request, &self.windows, &admit_request)
+            .await
+            .map_err(store_failure)?
+        {
+            RegisterOutcome::Registered(registered) => {
+                tracing::info!(
+                    agent_id = %registered.agent.agent_id,
+                    client_type = %registered.agent.client_type,
+                    gateway_id = %registered.agent.gateway_id,
+                    connection_id = %registered.agent.connection_id,
+                    replaced_connection = registered.replaced_connection.as_deref(),
+                    "agent registered"
+                );
+                Ok(*registered)
+            }
+            RegisterOutcome::Refused(refusal) => {
+                tracing::info!(agent_id = %request.agent_id, reason = %refusal.detail, "registration refused");
+                Err(refusal)
+            }
+        }
+    }
+
+    /// `registry.unregister`: offline, if that connection still holds the id.
+    pub async fn unregister(&self, request: UnregisterAgent) -> Result<Unregistered, ErrorBody> {
+        let went_offline = self
+            .store
+            .unregister(&request.agent_id, &request.connection_id)
+            .await
+            .map_err(store_failure)?;
+        tracing::info!(
+            agent_id = %request.agent_id,
+            connection_id = %request.connection_id,
+            reason = %request.reason,
+            went_offline,
+            "agent unregistered"
+        );
+        Ok(Unregistered { went_offline })
+    }
+
+    /// `registry.get`: one agent, `NOT_FOUND` if never registered.
+    pub async fn get(&self, request: GetAgent) -> Result<AgentRecord, ErrorBody> {
+        self.store
+            .get(&request.agent_id)
+            .await
+            .map_err(store_failure)?
+            .ok_or_else(|| not_found(&request.agent_id))
+    }
+
+    /// `registry.lookup`: available, live agents with every capability asked for (devices
+    /// unless another type is asked for), least loaded first, then most recently seen.
+    pub async fn lookup(&self, request: LookupAgents) -> Result<Vec<AgentRecord>, ErrorBody> {
+        let query = LookupQuery {
+            capabilities: request.capabilities,
+            client_type: request.client_type.unwrap_or(ClientType::Device),
+            limit: request
+                .limit
+                .unwrap_or(DEFAULT_LOOKUP_LIMIT)
+                .min(MAX_LOOKUP_LIMIT),
+            windows: self.windows,
+        };
+        self.store.lookup(&query).await.map_err(store_failure)
+    }
+}
+
+/// Whether `request` may take its id from `holder`: `Ok(replaced connection)` or the refusal.
+///
+/// - nobody holds it, or the holder is offline or no longer live (its gateway died or it went
+///   silent): replaced; a holder not yet marked offline is named so its gateway closes it;
+/// - the same connection registers again (a retried request): accepted, nothing replaced;
+/// - a live holder of the same principal: taken over, the old connection is named;
+/// - a live holder of another principal: refused with UFO's duplicate text.
+pub fn admit(
+    request: &RegisterAgent,
+    holder: Option<&Holder>,
+) -> Result<Option<String>, ErrorBody> {
+    let Some(holder) = holder else {
+        return Ok(None);
+    };
+    if holder.connection_id == request.connection_id {
+        return Ok(None);
+    }
+    if holder.status == proto_schemas::registry::AgentStatus::Offline {
+        return Ok(None);
+    }
+    if !holder.live || holder.principal == request.principal {
+        return Ok(Some(holder.connection_id.clone()));
+    }
+    Err(duplicate(&request.agent_id))
+}
+
+/// UFO's refusal of a duplicate live id.
+pub fn duplicate(agent_id: &str) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::RegistrationFailed,
+        format!(
+            "client_id {} is already registered; duplicate registrations are not allowed",
+            python_repr(agent_id)
+        ),
+    )
+}
+
+/// The refusal of an unknown id.
+pub fn not_found(agent_id: &str) -> ErrorBody {
+    ErrorBody::new(
+        ErrorCode::NotFound,
+        format!("agent '{agent_id}' is not registered"),
+    )
+}
+
+/// A store failure as the error a caller sees; the details go to the log.
+pub fn store_failure(error: StoreError) -> ErrorBody {
+    if error.is_unavailable() {
+        tracing::warn!("registry store unavailable: {error}");
+        ErrorBody::new(
+            ErrorCode::Unavailable,
+            "the registry's database is unavailable; retry shortly",
+        )
+    } else {
+        tracing::error!("registry store failed: {error}");
+        ErrorBody::new(
+            ErrorCode::Internal,
+            "the registry failed to process the request; see its logs",
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto_schemas::registry::AgentStatus;
+    use proto_schemas::{Platform, V1};
+
+    fn request(connection: &str, principal: &str) -> RegisterAgent {
+        RegisterAgent {
+            version: V1,
+            agent_id: "pc-1".to_owned(),
+            client_type: ClientType::Device,
+            gateway_id: "gw".to_owned(),
+            connection_id: connection.to_owned(),
+            principal: principal.to_owned(),
+            platform: Platform::Windows,
+            target_id: None,
+            capabilities: vec![],
+            tools: vec![],
+            system_info: None,
+            metadata: None,
+            extensions: vec![],
+        }
+    }
+
+    fn holder(connection: &str, principal: &str, status: AgentStatus, live: bool) -> Holder {
+        Holder {
+            connection_id: connection.to_owned(),
+            principal: principal.to_owned(),
+            status,
+            live,
+        }
+    }
+
+    #[test]
+    fn admission_rules() {
+        let req = request("c2", "alice");
+        assert_eq!(admit(&req, None), Ok(None));
+        assert_eq!(
+            admit(
+                &req,
+                Some(&holder("c2", "bob", AgentStatus::Available, true))
+            ),
+            Ok(None),
+            "same connection"
+        );
+        assert_eq!(
+            admit(
+                &req,
+                Some(&holder("c1", "bob", AgentStatus::Offline, false))
+            ),
+            Ok(None),
+            "offline"
+        );
+        assert_eq!(
+            admit(
+                &req,
+                Some(&holder("c1", "bob", AgentStatus::Available, false))
+            ),
+            Ok(Some("c1".to_owned())),
+            "stale"
+        );
+        assert_eq!(
+            admit(&req, Some(&holder("c1", "alice", AgentStatus::Busy, true))),
+            Ok(Some("c1".to_owned())),
+            "takeover"
+        );
+        let refusal = admit(
+            &req,
+            Some(&holder("c1", "bob", AgentStatus::Available, true)),
+        )
+        .expect_err("duplicate");
+        assert_eq!(refusal.error_code, ErrorCode::RegistrationFailed);
+        assert_eq!(
+            refusal.detail,
+            "client_id 'pc-1' is already registered; duplicate registrations are not allowed"
+        );
+    }
+
+    #[test]
+    fn duplicate_text_quotes_like_python() {
+        assert_eq!(
+            duplicate("it's").detail,
+            "client_id \"it's\" is already registered; duplicate registrations are not allowed"
+        );
+    }
+}

@@ -1,0 +1,331 @@
+//! Where agents are kept: the [`AgentStore`] trait and its two implementations,
+//! [`PgAgentStore`] (PostgreSQL) and [`SqliteAgentStore`] (SQLite, the embedded mode).
+//!
+//! The store knows tables and transactions, not policy: whether a registration may replace
+//! the current holder of an id is decided by the caller's [`Admit`] function, which the store
+//! calls inside the transaction that holds the row, so the decision and the write are atomic
+//! even with several registry replicas. Liveness windows are passed in by the caller.
+
+mod postgres;
+mod sqlite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aip_store::Database;
+use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
+use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
+use proto_schemas::{ClientType, ErrorBody, Extension, McpToolInfo, Platform};
+use serde_json::Value;
+
+pub use self::postgres::PgAgentStore;
+pub use self::sqlite::SqliteAgentStore;
+
+/// The store for a database.
+pub fn for_database(db: &Database) -> Arc<dyn AgentStore> {
+    match db {
+        Database::Postgres(pool) => Arc::new(PgAgentStore::new(pool.clone())),
+        Database::Sqlite(pool) => Arc::new(SqliteAgentStore::new(pool.clone())),
+    }
+}
+
+/// The agents table, behind either database.
+///
+/// Every method is one short transaction (or one statement). "Live" below means: not
+/// offline, last seen within the given window, and held by a gateway whose last presence
+/// report (or registration) is within the gateway window.
+pub trait AgentStore: Send + Sync + 'static {
+    /// Registers `request`: records its gateway as alive, then, holding the id's row (or the
+    /// right to create it), asks `admit` about the current holder and writes the new entry if
+    /// admitted. The new entry is `available`, seen now; `connected_at` and `load` are kept
+    /// only when the same connection registers again.
+    fn register<'a>(
+        &'a self,
+        request: &'a RegisterAgent,
+        windows: &'a Windows,
+        admit: &'a Admit<'a>,
+    ) -> BoxFuture<'a, Result<RegisterOutcome, StoreError>>;
+
+    /// Whether `agent_id` is a live device.
+    fn is_live_device<'a>(
+        &'a self,
+        agent_id: &'a str,
+        windows: &'a Windows,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Marks the agent offline if `connection_id` still holds it. Returns whether it went
+    /// offline (false: another connection holds the id, or it was offline already). A
+    /// connection that ended is never brought back by a late presence report.
+    fn unregister<'a>(
+        &'a self,
+        agent_id: &'a str,
+        connection_id: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// One agent, whatever its status.
+    fn get<'a>(
+        &'a self,
+        agent_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<AgentRecord>, StoreError>>;
+
+    /// Live, available agents of a type having every capability asked for: least loaded
+    /// first, then most recently seen, then by id.
+    fn lookup<'a>(
+        &'a self,
+        query: &'a LookupQuery,
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>>;
+
+    /// Agents by stored status, type and capabilities (REST listing), ordered by id.
+    fn list<'a>(
+        &'a self,
+        filter: &'a AgentFilter,
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>>;
+
+    /// Ids of every agent not offline (devices and constellations), ordered by id.
+    fn online_ids(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
+
+    /// Writes one flush of presence reports, in one statement (PostgreSQL) or one
+    /// transaction (SQLite).
+    fn apply_presence<'a>(
+        &'a self,
+        flush: &'a PresenceFlush,
+    ) -> BoxFuture<'a, Result<PresenceApplied, StoreError>>;
+
+    /// Marks offline every agent not offline that is no longer live; returns their ids.
+    /// Also forgets gateways silent for `forget_gateways_after` that hold no live agent.
+    fn reap<'a>(
+        &'a self,
+        windows: &'a Windows,
+        forget_gateways_after: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, StoreError>>;
+
+    /// Checks that the database answers.
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+}
+
+/// Decides whether a registration may take the id from its current holder (`None`: nobody
+/// has ever held it). `Ok(replaced)` admits it; `replaced` names a connection to be closed.
+/// `Err` refuses it with that error.
+pub type Admit<'a> =
+    dyn Fn(Option<&Holder>) -> Result<Option<String>, ErrorBody> + Send + Sync + 'a;
+
+/// The current holder of an id, as read under the row lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    /// Its connection.
+    pub connection_id: String,
+    /// The credential that registered it.
+    pub principal: String,
+    /// Its stored status.
+    pub status: AgentStatus,
+    /// Not offline, seen within the agent window and held by a gateway seen within the
+    /// gateway window.
+    pub live: bool,
+}
+
+/// The outcome of [`AgentStore::register`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum RegisterOutcome {
+    /// Written.
+    Registered(Box<Registered>),
+    /// Refused by the [`Admit`] function; nothing was written.
+    Refused(ErrorBody),
+}
+
+/// The liveness windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Windows {
+    /// A gateway whose last report is older than this is dead.
+    pub gateway: Duration,
+    /// An agent whose last sign of life is older than this is gone.
+    pub agent: Duration,
+}
+
+/// What [`AgentStore::lookup`] looks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupQuery {
+    /// Every one of these is required.
+    pub capabilities: Vec<String>,
+    /// Only agents of this type.
+    pub client_type: ClientType,
+    /// At most this many.
+    pub limit: u32,
+    /// What counts as live.
+    pub windows: Windows,
+}
+
+/// What [`AgentStore::list`] filters on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentFilter {
+    /// Every one of these is required.
+    pub capabilities: Vec<String>,
+    /// Only agents with this stored status.
+    pub status: Option<AgentStatus>,
+    /// Only agents of this type.
+    pub client_type: Option<ClientType>,
+    /// At most this many.
+    pub limit: u32,
+}
+
+/// Presence gathered since the last flush.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PresenceFlush {
+    /// Gateways that reported, with their reporting interval: their `last_seen` becomes now.
+    pub gateways: Vec<(String, u64)>,
+    /// Connections that showed life: `(agent_id, connection_id, gateway_id)`. An entry
+    /// refreshes its agent only if that connection on that gateway still holds it.
+    pub alive: Vec<(String, String, String)>,
+    /// Gateways shutting down: all their agents go offline.
+    pub stopping: Vec<String>,
+}
+
+impl PresenceFlush {
+    /// Whether there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.gateways.is_empty() && self.alive.is_empty() && self.stopping.is_empty()
+    }
+}
+
+/// What a presence flush changed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PresenceApplied {
+    /// Agents whose `last_seen` was refreshed (including any brought back from a liveness
+    /// expiry).
+    pub refreshed: u64,
+    /// Agents taken offline because their gateway is stopping.
+    pub stopped: u64,
+}
+
+/// Why the store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached (down, pool exhausted, connection lost).
+    #[error("the registry database is unavailable: {0}")]
+    Unavailable(#[source] sqlx::Error),
+    /// A statement failed.
+    #[error("registry database statement failed: {0}")]
+    Query(#[source] sqlx::Error),
+    /// A stored row cannot be read back (written by an incompatible build?).
+    #[error("stored agent `{agent_id}` cannot be read: {detail}")]
+    Corrupt {
+        /// The agent.
+        agent_id: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Concurrent registrations of one id kept colliding.
+    #[error(
+        "registration of `{agent_id}` kept colliding with concurrent registrations of the same id"
+    )]
+    Contention {
+        /// The agent.
+        agent_id: String,
+    },
+}
+
+impl StoreError {
+    /// Whether retrying later may help (the database is down or overloaded).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Unavailable(_) | StoreError::Contention { .. }
+        )
+    }
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => StoreError::Unavailable(e),
+            other => StoreError::Query(other),
+        }
+    }
+}
+
+/// The columns of an agent, in the order every `SELECT`/`RETURNING` lists them.
+pub(crate) const AGENT_COLUMNS: &str = "a.agent_id, a.client_type, a.platform, a.status, a.capabilities, a.tools, \
+     a.system_info, a.metadata, a.extensions, a.target_id, a.gateway_id, a.connection_id, a.load, \
+     a.connected_at, a.last_seen";
+
+/// [`AGENT_COLUMNS`] without the table alias, for `RETURNING` clauses.
+pub(crate) const RETURNING_COLUMNS: &str = "agent_id, client_type, platform, status, capabilities, tools, \
+     system_info, metadata, extensions, target_id, gateway_id, connection_id, load, connected_at, last_seen";
+
+/// One agent row as read from either database, before validation.
+pub(crate) struct AgentRow {
+    pub agent_id: String,
+    pub client_type: String,
+    pub platform: String,
+    pub status: String,
+    pub capabilities: Vec<String>,
+    pub tools: Value,
+    pub system_info: Option<Value>,
+    pub metadata: Option<Value>,
+    pub extensions: Vec<String>,
+    pub target_id: Option<String>,
+    pub gateway_id: String,
+    pub connection_id: String,
+    pub load: i32,
+    pub connected_at: DateTime<Utc>,
+    pub last_seen: DateTime<Utc>,
+}
+
+impl AgentRow {
+    /// Validates the row into a record. Extensions unknown to this build are skipped (a newer
+    /// build may have stored them).
+    pub(crate) fn into_record(self) -> Result<AgentRecord, StoreError> {
+        let corrupt = |detail: String| StoreError::Corrupt {
+            agent_id: self.agent_id.clone(),
+            detail,
+        };
+        let client_type = ClientType::from_wire(&self.client_type)
+            .ok_or_else(|| corrupt(format!("unknown client_type `{}`", self.client_type)))?;
+        let platform = Platform::from_wire(&self.platform)
+            .ok_or_else(|| corrupt(format!("unknown platform `{}`", self.platform)))?;
+        let status = AgentStatus::from_wire(&self.status)
+            .ok_or_else(|| corrupt(format!("unknown status `{}`", self.status)))?;
+        let tools: Vec<McpToolInfo> = serde_json::from_value(self.tools.clone())
+            .map_err(|e| corrupt(format!("tools: {e}")))?;
+        let extensions = self
+            .extensions
+            .iter()
+            .filter_map(|e| Extension::from_wire(e))
+            .collect();
+        Ok(AgentRecord {
+            agent_id: self.agent_id,
+            client_type,
+            status,
+            platform,
+            capabilities: self.capabilities,
+            tools,
+            system_info: self.system_info,
+            metadata: self.metadata,
+            extensions,
+            target_id: self.target_id,
+            gateway_id: self.gateway_id,
+            connection_id: self.connection_id,
+            load: self.load,
+            connected_at: self.connected_at,
+            last_seen: self.last_seen,
+        })
+    }
+}
+
+/// The wire names of a registration's extensions, for storage.
+pub(crate) fn extension_names(extensions: &[Extension]) -> Vec<&'static str> {
+    extensions.iter().map(|e| e.as_str()).collect()
+}
+
+/// How many times a registration retries after losing an insert race.
+pub(crate) const REGISTER_ATTEMPTS: usize = 5;
+
+/// Milliseconds of a duration, for binding.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,196 @@
+//! # aip-sessions: durable tasks
+//!
+//! The heart of the broker. It takes task requests from every transport (a constellation's
+//! TASK frame through the gateways, REST `POST /api/tasks`, UFO's `POST /api/dispatch`, NATS
+//! `sessions.submit`), resolves the executor (explicit target, or a capability lookup in the
+//! registry), runs each task as a state machine persisted in the database with a gap-free
+//! event log ([`engine`]), routes commands to the executor and results back, and serves
+//! everything over REST ([`http`]).
+//!
+//! Frames from gateways arrive through a JetStream stream with a durable consumer and explicit
+//! acks; applying one is idempotent, so a redelivered frame changes nothing twice, and several
+//! replicas can share the consumer. Frames to clients are written to an outbox in the same
+//! transaction as the state change and published after commit ([`workers`] re-sends what a
+//! crash left behind).
+
+pub mod engine;
+pub mod http;
+pub mod settings;
+pub mod store;
+pub mod workers;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use aip_bus::SharedBus;
+use aip_runtime::api_keys::ApiKeys;
+use aip_store::Database;
+use proto_schemas::Subjects;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use engine::Engine;
+pub use settings::{SessionSettings, Settings};
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Bad configuration.
+    #[error("{0}")]
+    Config(String),
+    /// The database could not be migrated.
+    #[error(transparent)]
+    Database(#[from] aip_store::DatabaseError),
+    /// The frames stream could not be created.
+    #[error("cannot create the frames stream: {0}")]
+    Bus(#[from] aip_bus::BusError),
+    /// The listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// A session service, bound and ready.
+pub struct Application {
+    listener: TcpListener,
+    engine: Engine,
+    settings: Settings,
+    plans: tokio::sync::mpsc::Receiver<String>,
+    outbox_done: tokio::sync::mpsc::Receiver<i64>,
+}
+
+impl Application {
+    /// Migrates the database, creates the frames stream and binds the REST listener.
+    pub async fn build(
+        settings: Settings,
+        bus: SharedBus,
+        db: Database,
+    ) -> Result<Self, StartError> {
+        let subjects = Subjects::new(&settings.subject_prefix)
+            .map_err(|e| StartError::Config(e.to_string()))?;
+        let listen = settings.sessions.listen;
+        if settings.sessions.api_keys.is_empty()
+            && !listen.ip().is_loopback()
+            && !settings.sessions.allow_no_auth
+        {
+            return Err(StartError::Config(format!(
+                "refusing to serve the REST API on {listen} without API keys: set sessions.api_keys \
+                 (AIP_SESSIONS__API_KEYS), or sessions.allow_no_auth = true for a trusted network"
+            )));
+        }
+        if settings.sessions.max_tasks_per_agent < 1 {
+            return Err(StartError::Config(
+                "sessions.max_tasks_per_agent must be at least 1".into(),
+            ));
+        }
+        db.migrate().await?;
+        let (plans_tx, plans) = tokio::sync::mpsc::channel(16_384);
+        let (done_tx, outbox_done) = tokio::sync::mpsc::channel(16_384);
+        let store = store::TaskStore::new(db);
+        let engine = Engine::new(
+            store,
+            bus,
+            subjects,
+            settings.sessions.clone(),
+            done_tx,
+            plans_tx,
+        );
+        workers::ensure_frames_stream(&engine).await?;
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: listen,
+                source,
+            })?;
+        Ok(Application {
+            listener,
+            engine,
+            settings,
+            plans,
+            outbox_done,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .unwrap_or(self.settings.sessions.listen)
+    }
+
+    /// The engine (for embedding).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The REST router (for embedding in `aip dev`).
+    pub fn router(&self) -> axum::Router {
+        http::router(
+            self.engine.clone(),
+            ApiKeys::new(&self.settings.sessions.api_keys),
+        )
+    }
+
+    /// Serves until `shutdown` completes, then stops taking frames and lets work in progress
+    /// finish within the grace period. Unacked frames are redelivered to another replica.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let addr = self.local_addr();
+        let stop = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let s = &self.settings.sessions;
+        let engine = self.engine.clone();
+        let background = vec![
+            tokio::spawn(workers::consume_frames(
+                engine.clone(),
+                s.max_in_flight,
+                stop.clone(),
+                tracker.clone(),
+            )),
+            tokio::spawn(workers::run_planner(
+                engine.clone(),
+                self.plans,
+                s.max_in_flight,
+                tracker.clone(),
+            )),
+            tokio::spawn(workers::run_outbox_cleaner(
+                engine.clone(),
+                self.outbox_done,
+            )),
+            tokio::spawn(workers::run_sweeper(engine.clone(), stop.clone())),
+            tokio::spawn(workers::serve_submissions(
+                engine.clone(),
+                stop.clone(),
+                tracker.clone(),
+            )),
+        ];
+        tracing::info!(%addr, "session service listening");
+        let app = http::router(engine, ApiKeys::new(&s.api_keys));
+        let token = stop.clone();
+        let served = axum::serve(self.listener, app)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                token.cancel();
+            })
+            .await;
+        stop.cancel();
+        tracker.close();
+        let grace = Duration::from_millis(s.shutdown_grace_ms);
+        if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+            tracing::warn!(
+                "work still in progress after the grace period; its frames will be redelivered"
+            );
+        }
+        for handle in background {
+            handle.abort();
+        }
+        served
+    }
+}

@@ -1,0 +1,79 @@
+//! Session service configuration.
+
+use std::net::SocketAddr;
+
+use aip_runtime::telemetry::LogFormat;
+use serde::{Deserialize, Serialize};
+
+/// Everything the session service can be told. Environment: `AIP_SESSIONS__<FIELD>` for the
+/// `[sessions]` section, `AIP_<FIELD>` at the top.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Settings {
+    /// NATS server URL.
+    pub nats_url: String,
+    /// Database URL (`postgres://…`, or `sqlite://…` embedded).
+    pub database_url: String,
+    /// Subject prefix shared by every service of one deployment.
+    pub subject_prefix: String,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// The session service's own settings.
+    pub sessions: SessionSettings,
+}
+
+/// The `[sessions]` section.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SessionSettings {
+    /// Address of the REST API.
+    pub listen: SocketAddr,
+    /// Keys accepted on `/api/*` (`X-API-Key` or `Authorization: Bearer`). Empty: no
+    /// authentication, allowed only on a loopback address unless `allow_no_auth` is set.
+    pub api_keys: Vec<String>,
+    /// Serve `/api/*` without keys on a non-loopback address.
+    pub allow_no_auth: bool,
+    /// Tasks one agent runs at once; more wait in priority order.
+    pub max_tasks_per_agent: i64,
+    /// A task not finished after this long fails with TASK_TIMEOUT (a task may ask for less).
+    pub task_timeout_secs: u64,
+    /// A command whose results do not arrive within this long fails its task (TASK_TIMEOUT).
+    pub command_timeout_secs: u64,
+    /// How long the remote planner may take for one step.
+    pub planner_timeout_ms: u64,
+    /// Timeout of requests to the registry.
+    pub request_timeout_ms: u64,
+    /// Frames processed at once by this replica.
+    pub max_in_flight: usize,
+    /// On SIGTERM, how long to let work in progress finish.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            nats_url: "nats://127.0.0.1:4222".to_owned(),
+            database_url: "postgres://postgres@127.0.0.1:5432/aip".to_owned(),
+            subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
+            log_format: LogFormat::Pretty,
+            sessions: SessionSettings::default(),
+        }
+    }
+}
+
+impl Default for SessionSettings {
+    fn default() -> Self {
+        SessionSettings {
+            listen: SocketAddr::from(([127, 0, 0, 1], 5002)),
+            api_keys: Vec::new(),
+            allow_no_auth: false,
+            max_tasks_per_agent: 1,
+            task_timeout_secs: 3600,
+            command_timeout_secs: 600,
+            planner_timeout_ms: 30_000,
+            request_timeout_ms: 5_000,
+            max_in_flight: 128,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! The session service end to end: UFO-format clients over real WebSockets, two gateways,
+//! the registry and the session service on one bus and database (NATS + PostgreSQL, and the
+//! in-process bus + SQLite), results over REST.
+
+use aip_testkit::frames::{
+    self, command_results_for, constellation_register, constellation_task, device_register,
+    one_step,
+};
+use aip_testkit::{Backend, Client, Options, Stack, both_backends, eventually};
+use serde_json::{Value, json};
+
+async fn get_json(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url).await.expect("request");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn post_json(url: &str, body: &Value) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn registered(url: &str, frame: Value) -> Client {
+    let mut client = Client::connect(url).await.expect("connect");
+    client.send(&frame).await.expect("send");
+    let reply = client.recv().await.expect("registration answer");
+    assert_eq!(reply["type"], "heartbeat", "registration refused: {reply}");
+    client
+}
+
+/// Waits until the registry sees the device online.
+async fn online(stack: &Stack, id: &str) {
+    let url = format!("{}/api/clients", stack.registry_url());
+    eventually(&format!("{id} online"), || async {
+        let (_, body) = get_json(&url).await;
+        body["online_clients"]
+            .as_array()?
+            .iter()
+            .any(|c| c == id)
+            .then_some(())
+    })
+    .await
+    .expect("device registered");
+}
+
+async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            gateways: 2,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let mut device = registered(&stack.ws_url(1), device_register("pc-1", "linux")).await;
+    online(&stack, "pc-1").await;
+    let mut galaxy = registered(
+        &stack.ws_url(0),
+        constellation_register("demo@pc-1", Some("pc-1")),
+    )
+    .await;
+
+    let session = "demo@task-1";
+    let steps = json!([
+        [{ "tool_name": "list_tools", "tool_type": "action", "parameters": { "tool_type": "action" } }],
+        [{ "tool_name": "type_text", "tool_type": "action", "parameters": { "text": "hello" } },
+         { "tool_name": "screenshot", "tool_type": "data_collection" }]
+    ]);
+    galaxy
+        .send(&constellation_task(
+            "demo@pc-1",
+            "pc-1",
+            session,
+            "demo_task",
+            Some(steps),
+        ))
+        .await
+        .expect("send task");
+    let ack = galaxy.recv().await.expect("ack");
+    assert_eq!(ack["type"], "heartbeat");
+    assert_eq!(
+        ack["session_id"], session,
+        "Galaxy's session id is kept as given"
+    );
+
+    for expected in [1, 2] {
+        let command = device.recv().await.expect("command");
+        assert_eq!(
+            command["type"], "command",
+            "the executor gets only command frames: {command}"
+        );
+        assert_eq!(command["session_id"], session);
+        assert_eq!(
+            command["agent_name"], "LinuxAgent",
+            "agent_name follows the device's platform"
+        );
+        let actions = command["actions"].as_array().expect("actions");
+        assert_eq!(actions.len(), expected);
+        assert!(
+            actions.iter().all(|a| a["call_id"].is_string()),
+            "every Command has a call_id"
+        );
+        device
+            .send(&command_results_for("pc-1", &command))
+            .await
+            .expect("results");
+    }
+
+    for client in [&mut galaxy, &mut device] {
+        let end = client.recv_type("task_end").await.expect("task_end");
+        assert_eq!(end["status"], "completed");
+        assert_eq!(end["session_id"], session);
+    }
+
+    let base = stack.sessions_url();
+    let (status, task) = get_json(&format!("{base}/api/tasks/{}", urlencode(session))).await;
+    assert_eq!(status, 200, "{task}");
+    assert_eq!(task["state"], "completed");
+    assert_eq!(task["executor_id"], "pc-1");
+    assert_eq!(task["requester"], "demo@pc-1");
+    assert_eq!(
+        task["result"].as_array().map(Vec::len),
+        Some(2),
+        "both steps' results: {task}"
+    );
+    let (_, log) = get_json(&format!("{base}/api/tasks/{}/events", urlencode(session))).await;
+    let kinds: Vec<&str> = log["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "submitted",
+            "dispatched",
+            "command_sent",
+            "results_received",
+            "command_sent",
+            "results_received",
+            "completed"
+        ]
+    );
+    let seqs: Vec<i64> = log["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["seq"].as_i64())
+        .collect();
+    assert_eq!(seqs, (1..=7).collect::<Vec<_>>(), "gap-free");
+    let (status, result) = get_json(&format!("{base}/api/task_result/demo_task")).await;
+    assert_eq!(status, 200);
+    assert_eq!(result["status"], "done");
+    stack.stop().await;
+}
+both_backends!(constellation_drives_a_device_on_another_gateway);
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+async fn rest_dispatch_by_capability_and_ufo_dispatch(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let mut device = registered(
+        &stack.ws_url(0),
+        frames::device_register_with("excel-box", &["excel"]),
+    )
+    .await;
+    online(&stack, "excel-box").await;
+    let base = stack.sessions_url();
+
+    // By capability, no target.
+    let body = json!({ "version": 1, "description": "make a chart", "originating_agent_id": "tester",
+        "required_capabilities": ["excel"], "steps": one_step("echo", json!({ "x": 1 })), "task_name": "chart-1" });
+    let (status, task) = post_json(&format!("{base}/api/tasks"), &body).await;
+    assert_eq!(status, 201, "{task}");
+    assert_eq!(task["executor_id"], "excel-box");
+    let command = device.recv_type("command").await.expect("command");
+    device
+        .send(&command_results_for("excel-box", &command))
+        .await
+        .expect("results");
+    let end = device
+        .recv_type("task_end")
+        .await
+        .expect("the executor is told");
+    assert_eq!(end["status"], "completed");
+    let id = task["task_id"].as_str().expect("id").to_owned();
+    let done = eventually("completed over REST", || async {
+        let (_, t) = get_json(&format!("{base}/api/tasks/{id}")).await;
+        (t["state"] == "completed").then_some(t)
+    })
+    .await
+    .expect("completed");
+    assert_eq!(done["result"][0]["results"][0]["result"]["echo"]["x"], 1);
+
+    // Nobody has the capability.
+    let body = json!({ "version": 1, "description": "x", "originating_agent_id": "tester", "required_capabilities": ["quantum"] });
+    let (status, error) = post_json(&format!("{base}/api/tasks"), &body).await;
+    assert_eq!(
+        (status, error["error_code"].as_str()),
+        (422, Some("CAPABILITY_MISMATCH")),
+        "{error}"
+    );
+
+    // UFO's dispatch: server task frame, the device echoes it, the dispatched session goes on.
+    let (status, dispatched) = post_json(
+        &format!("{base}/api/dispatch"),
+        &json!({ "client_id": "excel-box", "request": "say hi", "task_name": "ufo-1", "steps": one_step("echo", json!({})) }),
+    )
+    .await;
+    assert_eq!(status, 200, "{dispatched}");
+    assert_eq!(dispatched["status"], "dispatched");
+    let session = dispatched["session_id"]
+        .as_str()
+        .expect("session")
+        .to_owned();
+    let task_frame = device.recv_type("task").await.expect("server task frame");
+    assert_eq!(task_frame["session_id"], session.as_str());
+    assert_eq!(task_frame["user_request"], "say hi");
+    device
+        .send(&frames::client(json!({ "type": "task", "status": "continue", "client_id": "excel-box", "request": "say hi",
+            "task_name": "ufo-1", "metadata": { "platform": "linux" } })))
+        .await
+        .expect("echo");
+    let ack = device.recv_type("heartbeat").await.expect("ack");
+    assert_eq!(
+        ack["session_id"],
+        session.as_str(),
+        "the echo continues the dispatched session"
+    );
+    let command = device.recv_type("command").await.expect("command");
+    device
+        .send(&command_results_for("excel-box", &command))
+        .await
+        .expect("results");
+    let end = device.recv_type("task_end").await.expect("end");
+    assert_eq!(end["session_id"], session.as_str());
+    let (_, result) = get_json(&format!("{base}/api/task_result/ufo-1")).await;
+    assert_eq!(result["status"], "done", "{result}");
+
+    // UFO's dispatch errors, in UFO's order and words.
+    for (body, status, detail) in [
+        (
+            json!({ "client_id": "excel-box", "request": "" }),
+            400,
+            "Empty task content",
+        ),
+        (
+            json!({ "client_id": "", "request": "x" }),
+            400,
+            "Empty client ID",
+        ),
+        (
+            json!({ "client_id": "excel-box", "request": "x", "task_name": null }),
+            400,
+            "Invalid task_name",
+        ),
+        (
+            json!({ "client_id": "ghost", "request": "x" }),
+            404,
+            "Client not online",
+        ),
+    ] {
+        let (got, error) = post_json(&format!("{base}/api/dispatch"), &body).await;
+        assert_eq!(got, status, "{body} → {error}");
+        assert!(
+            error["detail"]
+                .as_str()
+                .is_some_and(|d| d.starts_with(detail)),
+            "{error}"
+        );
+    }
+    let (status, _) = post_json(&format!("{base}/api/dispatch"), &json!([1, 2])).await;
+    assert_eq!(status, 422);
+    stack.stop().await;
+}
+both_backends!(rest_dispatch_by_capability_and_ufo_dispatch);
