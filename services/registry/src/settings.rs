@@ -84,7 +84,9 @@ impl Default for RegistrySettings {
             api_keys: Vec::new(),
             allow_no_auth: false,
             liveness_ms: 15_000,
-            agent_liveness_ms: None,
+            // Above the gateway's client liveness timeout (90 s) and its ping interval (20 s):
+            // gateways report only connections that showed life since their last batch.
+            agent_liveness_ms: Some(100_000),
             presence_flush_ms: 500,
             reap_interval_ms: 1_000,
             max_in_flight: 256,
