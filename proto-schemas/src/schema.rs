@@ -53,6 +53,35 @@ fn schema_entries(generator: &mut SchemaGenerator) -> Vec<(&'static str, Value)>
     }
 }
 
+/// Schemas for a document's components (`definitions_path` e.g. `/components/schemas/`):
+/// the named entries `add` generates, and every type they refer to, all referring to each
+/// other under that path.
+pub fn components(
+    settings: SchemaSettings,
+    definitions_path: &str,
+    add: impl FnOnce(&mut SchemaGenerator) -> Vec<(&'static str, Value)>,
+) -> Map<String, Value> {
+    let mut generator = settings
+        .with(|s| s.definitions_path = definitions_path.to_owned().into())
+        .into_generator();
+    let entries = add(&mut generator);
+    let mut definitions = generator.take_definitions(true);
+    let mut out = Map::new();
+    for (name, schema) in entries {
+        // A named type comes back as a reference to its own definition: inline the definition.
+        let own_ref = format!("#{definitions_path}{name}");
+        let schema = match schema.get("$ref").and_then(Value::as_str) {
+            Some(r) if r == own_ref => definitions.remove(name).unwrap_or(schema),
+            _ => schema,
+        };
+        out.insert(name.to_owned(), schema);
+    }
+    for (name, schema) in definitions {
+        out.entry(name).or_insert(schema);
+    }
+    out
+}
+
 /// The standalone JSON Schema (draft 2020-12) of one type.
 pub fn standalone_schema<T: JsonSchema>() -> Value {
     SchemaSettings::draft2020_12()
@@ -136,16 +165,8 @@ fn camel(name: &str) -> String {
 /// The AsyncAPI 3.0 document: the WebSocket channel with frames both ways, and every NATS
 /// subject with its payload, publishers and consumers.
 pub fn asyncapi() -> Value {
-    let mut generator = SchemaSettings::draft07()
-        .with(|s| s.definitions_path = "/components/schemas/".into())
-        .into_generator();
-    let mut schemas = Map::new();
-    for (name, schema) in schema_entries(&mut generator) {
-        schemas.insert(name.to_owned(), schema);
-    }
-    for (name, schema) in generator.take_definitions(true) {
-        schemas.entry(name).or_insert(schema);
-    }
+    let settings = SchemaSettings::draft07();
+    let schemas = components(settings, "/components/schemas/", schema_entries);
 
     let mut messages = Map::new();
     for name in schemas.keys() {

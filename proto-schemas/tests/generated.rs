@@ -68,3 +68,35 @@ fn asyncapi_lists_every_subject_with_publishers_and_consumers() {
         );
     }
 }
+
+/// Every local `$ref` of a document resolves, and no component is merely a reference to itself.
+pub fn assert_refs_resolve(doc: &serde_json::Value) {
+    fn walk(doc: &serde_json::Value, node: &serde_json::Value, bad: &mut Vec<String>) {
+        match node {
+            serde_json::Value::Object(map) => {
+                if let Some(serde_json::Value::String(r)) = map.get("$ref") {
+                    if let Some(pointer) = r.strip_prefix('#') {
+                        match doc.pointer(pointer) {
+                            None => bad.push(format!("{r} does not resolve")),
+                            Some(target) if target == node => {
+                                bad.push(format!("{r} refers to itself"))
+                            }
+                            Some(_) => {}
+                        }
+                    }
+                }
+                map.values().for_each(|v| walk(doc, v, bad));
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(doc, v, bad)),
+            _ => {}
+        }
+    }
+    let mut bad = Vec::new();
+    walk(doc, doc, &mut bad);
+    assert!(bad.is_empty(), "broken references: {bad:?}");
+}
+
+#[test]
+fn asyncapi_references_resolve() {
+    assert_refs_resolve(&proto_schemas::schema::asyncapi());
+}

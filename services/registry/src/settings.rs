@@ -47,9 +47,9 @@ pub struct RegistrySettings {
     /// than this is offline (and not offered by lookup).
     pub liveness_ms: u64,
     /// An agent whose own last sign of life is older than this is offline, even if its
-    /// gateway still reports. Unset: `liveness_ms`. Set it at least to the gateway's client
-    /// liveness timeout if gateways list only the connections that showed life since their
-    /// previous batch (rather than every connection they hold).
+    /// gateway still reports. Default 100 s: above the gateway's client liveness timeout
+    /// (90 s), because gateways list only the connections that showed life since their
+    /// previous batch (pongs count; gateways ping every 20 s). Unset: `liveness_ms`.
     pub agent_liveness_ms: Option<u64>,
     /// Presence reports are gathered in memory and written once per this interval, in one
     /// statement, instead of one database write per heartbeat.

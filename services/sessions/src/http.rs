@@ -403,16 +403,16 @@ async fn ufo_task_result(
 
 /// The OpenAPI 3.1 document of this API.
 pub fn openapi() -> Value {
-    use proto_schemas::schema::standalone_schema;
-    let mut components = serde_json::Map::new();
-    for (name, schema) in [
-        ("TaskRequest", standalone_schema::<TaskRequest>()),
-        ("TaskView", standalone_schema::<TaskView>()),
-        ("TaskEvent", standalone_schema::<TaskEvent>()),
-        ("ErrorBody", standalone_schema::<ErrorBody>()),
-    ] {
-        components.insert(name.to_owned(), schema);
-    }
+    let settings =
+        schemars::generate::SchemaSettings::draft2020_12().with(|s| s.meta_schema = None);
+    let components = proto_schemas::schema::components(settings, "/components/schemas/", |g| {
+        vec![
+            ("TaskRequest", g.subschema_for::<TaskRequest>().to_value()),
+            ("TaskView", g.subschema_for::<TaskView>().to_value()),
+            ("TaskEvent", g.subschema_for::<TaskEvent>().to_value()),
+            ("ErrorBody", g.subschema_for::<ErrorBody>().to_value()),
+        ]
+    });
     let error = |description: &str| json!({ "description": description, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ErrorBody" } } } });
     let ok = |description: &str, schema: Value| json!({ "description": description, "content": { "application/json": { "schema": schema } } });
     let task_ref = json!({ "$ref": "#/components/schemas/TaskView" });
