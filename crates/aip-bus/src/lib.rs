@@ -10,6 +10,7 @@
 //! Messages carry [`Headers`] from the start: W3C `traceparent` for tracing and `Nats-Msg-Id`
 //! for de-duplication travel on every message that has them.
 
+mod dedup;
 mod durable;
 mod error;
 mod headers;
@@ -22,6 +23,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
+pub use dedup::RecentIds;
 pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};
 pub use error::BusError;
 pub use headers::{Headers, names};

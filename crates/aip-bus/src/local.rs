@@ -12,11 +12,9 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use tokio::sync::mpsc;
 
-use std::collections::{HashSet, VecDeque};
-
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::headers::names;
-use crate::{Bus, BusError, Headers, Message, Subscription, subject_matches};
+use crate::{Bus, BusError, Headers, Message, RecentIds, Subscription, subject_matches};
 
 /// Bound of each in-process durable stream's queue; publishers wait when it is full.
 const STREAM_CAPACITY: usize = 65_536;
@@ -28,25 +26,16 @@ struct LocalStream {
     subjects: Vec<String>,
     tx: mpsc::Sender<(Message, u64)>,
     rx: Arc<tokio::sync::Mutex<mpsc::Receiver<(Message, u64)>>>,
-    seen: std::sync::Mutex<(HashSet<String>, VecDeque<String>)>,
+    seen: std::sync::Mutex<RecentIds>,
 }
 
 impl LocalStream {
     /// Records a message id; false if it was seen recently (a duplicate).
     fn first_time(&self, id: &str) -> bool {
-        let mut guard = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        let (set, order) = &mut *guard;
-        if set.contains(id) {
-            return false;
-        }
-        set.insert(id.to_owned());
-        order.push_back(id.to_owned());
-        if order.len() > DEDUP_WINDOW {
-            if let Some(old) = order.pop_front() {
-                set.remove(&old);
-            }
-        }
-        true
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first_time(id)
     }
 }
 
@@ -305,7 +294,7 @@ impl Bus for LocalBus {
                 subjects: spec.subjects,
                 tx,
                 rx: Arc::new(tokio::sync::Mutex::new(rx)),
-                seen: std::sync::Mutex::new((HashSet::new(), VecDeque::new())),
+                seen: std::sync::Mutex::new(RecentIds::new(DEDUP_WINDOW)),
             })
         });
         futures::future::ready(Ok(())).boxed()

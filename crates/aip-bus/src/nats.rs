@@ -252,7 +252,7 @@ impl Bus for NatsBus {
             let config = jetstream::consumer::pull::Config {
                 durable_name: Some(consumer.clone()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
+                ack_wait: Duration::from_secs(10),
                 max_ack_pending: i64::try_from(max_in_flight).unwrap_or(i64::MAX),
                 ..Default::default()
             };

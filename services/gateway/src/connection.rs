@@ -100,6 +100,7 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
         out: out_tx,
         identity: None,
         frames_forwarded: 0,
+        recent_deliveries: aip_bus::RecentIds::new(1024),
         limiter: RateLimiter::new(state.settings.gateway.frames_per_second),
         refused_in_a_row: 0,
     };
@@ -122,6 +123,8 @@ struct Connection {
     identity: Option<Identity>,
     /// Frames put into the frames stream so far; numbers their `Nats-Msg-Id`.
     frames_forwarded: u64,
+    /// Ids of recent deliveries, so a frame re-sent after a sender's crash is written once.
+    recent_deliveries: aip_bus::RecentIds,
     limiter: RateLimiter,
     refused_in_a_row: u32,
 }
@@ -467,7 +470,7 @@ impl Connection {
     }
 
     /// Something published on this client's delivery subject.
-    fn on_delivery(&self, message: BusMessage) -> Option<Ended> {
+    fn on_delivery(&mut self, message: BusMessage) -> Option<Ended> {
         if message.headers.get(names::CONTROL) == Some("disconnect") {
             if message.headers.get(names::CONNECTION) == Some(self.connection_id.as_str()) {
                 self.close(
@@ -479,6 +482,12 @@ impl Connection {
                 });
             }
             return None;
+        }
+        if let Some(id) = message.headers.get(names::MSG_ID) {
+            if !self.recent_deliveries.first_time(id) {
+                tracing::debug!(id, "duplicate delivery dropped");
+                return None;
+            }
         }
         let text = match String::from_utf8(message.payload.to_vec()) {
             Ok(text) => text,

@@ -128,6 +128,18 @@ impl Application {
         self.http_addr
     }
 
+    /// The REST router (`/api/agents`, `/api/clients`, `/api/health`, `/healthz`, `/readyz`)
+    /// over this registry's store, for embedding in another server (`aip dev` serves it on
+    /// its one listener). The registry's own listener keeps serving the same routes.
+    pub fn router(&self) -> axum::Router {
+        http::router(
+            AppState {
+                store: self.store.clone(),
+            },
+            ApiKeys::new(&self.settings.api_keys),
+        )
+    }
+
     /// The liveness windows in force.
     pub fn windows(&self) -> Windows {
         windows(&self.settings)

@@ -183,7 +183,7 @@ impl Engine {
         for (id, subject, payload) in effects.published {
             match self
                 .bus
-                .publish(subject.clone(), Headers::new(), payload.into())
+                .publish(subject.clone(), delivery_headers(id), payload.into())
                 .await
             {
                 Ok(()) => {
@@ -1107,6 +1107,12 @@ impl Engine {
         self.dispatch(tx, effects, &mut task).await?;
         tx.update_task(&task).await
     }
+}
+
+/// Headers of a frame from the outbox: its row id, so that a frame re-sent after a crash is
+/// recognised (and dropped) by the gateway that already wrote it to the client.
+pub fn delivery_headers(outbox_id: i64) -> Headers {
+    Headers::new().with(aip_bus::names::MSG_ID, format!("outbox-{outbox_id}"))
 }
 
 /// UFO's rule for task names from WebSocket frames: every character outside `[A-Za-z0-9._-]`

@@ -187,7 +187,11 @@ pub async fn run_sweeper(engine: Engine, stop: CancellationToken) {
                 for row in rows {
                     match engine
                         .bus()
-                        .publish(row.subject.clone(), Headers::new(), row.payload.into())
+                        .publish(
+                            row.subject.clone(),
+                            crate::engine::delivery_headers(row.id),
+                            row.payload.into(),
+                        )
                         .await
                     {
                         Ok(()) => sent.push(row.id),

@@ -1,0 +1,467 @@
+//! Shared helpers of the gateway's integration tests.
+//!
+//! - [`Ws`]: a WebSocket client that checks **every** frame the server sends against UFO's
+//!   own `ServerMessage` schema (`proto-schemas/tests/data/ufo-aip.schema.json`) before the
+//!   test sees it, can send what UFO clients never do (binary frames, pings, oversized
+//!   frames, an `Authorization` header), and can stay silent (no reads, hence no pongs);
+//! - REST helpers for the registry (`/api/clients`, `/api/agents/{id}`);
+//! - assertions on the exact shapes of the registration answer and of ERROR frames.
+//!
+//! Every test binary includes this module (`mod common;`) and uses a different part of it.
+
+#![allow(dead_code, missing_docs)]
+
+use std::path::Path;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use aip_testkit::{Stack, WAIT, eventually};
+use anyhow::{Context, anyhow, bail};
+use futures::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::{self, Message};
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+/// UFO's `ServerMessage` model as a JSON Schema validator, built once.
+fn server_message_schema() -> &'static jsonschema::Validator {
+    static VALIDATOR: LazyLock<jsonschema::Validator> = LazyLock::new(|| {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../proto-schemas/tests/data/ufo-aip.schema.json");
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let document: Value = serde_json::from_slice(&bytes).expect("UFO's schema is JSON");
+        let schema = document
+            .get("ServerMessage")
+            .expect("UFO's schema has a ServerMessage model");
+        jsonschema::validator_for(schema).expect("UFO's ServerMessage schema compiles")
+    });
+    &VALIDATOR
+}
+
+/// Panics unless `frame` is a valid UFO `ServerMessage` (what a UFO client can parse).
+pub fn assert_ufo_server_message(frame: &Value) {
+    let errors: Vec<String> = server_message_schema()
+        .iter_errors(frame)
+        .map(|e| format!("{e} at {}", e.instance_path()))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "the gateway sent a frame UFO's ServerMessage schema refuses:\n  {}\n{frame:#}",
+        errors.join("\n  ")
+    );
+}
+
+/// How a connection ended, as the client saw it.
+#[derive(Debug, Clone)]
+pub struct Closed {
+    /// The close code, if the server sent a close frame with one.
+    pub code: Option<u16>,
+    /// The close reason.
+    pub reason: String,
+    /// Text frames received before the close (each already validated).
+    pub frames: Vec<Value>,
+}
+
+type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// A WebSocket client whose every received text frame is validated against UFO's schema.
+pub struct Ws {
+    ws: Socket,
+}
+
+/// What a refused handshake returned.
+#[derive(Debug)]
+pub struct Refusal {
+    /// HTTP status.
+    pub status: u16,
+    /// The body, as JSON if it is JSON.
+    pub body: Value,
+}
+
+impl Ws {
+    /// Connects; panics if the handshake is refused.
+    pub async fn connect(url: &str) -> Ws {
+        Self::try_connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
+    }
+
+    /// Connects with an `Authorization: Bearer` header.
+    pub async fn connect_bearer(url: &str, token: &str) -> Result<Ws, Refusal> {
+        let mut request = url.into_client_request().expect("a valid ws URL");
+        request.headers_mut().insert(
+            "Authorization",
+            HeaderValue::from_str(&format!("Bearer {token}")).expect("a header value"),
+        );
+        Self::handshake(request).await
+    }
+
+    /// Connects, returning the refusal if the handshake is refused.
+    pub async fn try_connect(url: &str) -> Result<Ws, Refusal> {
+        let request = url.into_client_request().expect("a valid ws URL");
+        Self::handshake(request).await
+    }
+
+    async fn handshake(request: tungstenite::handshake::client::Request) -> Result<Ws, Refusal> {
+        match tokio_tungstenite::connect_async(request).await {
+            Ok((ws, _)) => Ok(Ws { ws }),
+            Err(tungstenite::Error::Http(response)) => {
+                let status = response.status().as_u16();
+                let body = response
+                    .body()
+                    .as_deref()
+                    .and_then(|b| serde_json::from_slice(b).ok())
+                    .unwrap_or(Value::Null);
+                Err(Refusal { status, body })
+            }
+            Err(e) => panic!("handshake failed without an HTTP answer: {e}"),
+        }
+    }
+
+    /// Expects the handshake to be refused.
+    pub async fn refused(url: &str) -> Refusal {
+        match Self::try_connect(url).await {
+            Ok(_) => panic!("the handshake to {url} was accepted"),
+            Err(refusal) => refusal,
+        }
+    }
+
+    /// Sends a JSON frame.
+    pub async fn send(&mut self, frame: &Value) {
+        self.send_text(&frame.to_string()).await;
+    }
+
+    /// Sends raw text.
+    pub async fn send_text(&mut self, text: &str) {
+        self.ws
+            .send(Message::Text(text.into()))
+            .await
+            .expect("sending a text frame");
+    }
+
+    /// Sends a binary frame.
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) {
+        self.ws
+            .send(Message::Binary(bytes.into()))
+            .await
+            .expect("sending a binary frame");
+    }
+
+    /// Sends a WebSocket ping.
+    pub async fn send_ping(&mut self) -> anyhow::Result<()> {
+        self.ws.send(Message::Ping(Default::default())).await?;
+        Ok(())
+    }
+
+    /// Sends a raw message, reporting failure (e.g. the server already closed).
+    pub async fn try_send(&mut self, message: Message) -> anyhow::Result<()> {
+        self.ws.send(message).await?;
+        Ok(())
+    }
+
+    /// The next text frame (pings and pongs skipped) within `WAIT`, validated.
+    pub async fn recv(&mut self) -> anyhow::Result<Value> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.ws.next())
+                .await
+                .map_err(|_| anyhow!("no frame within {WAIT:?}"))?;
+            match next {
+                None => bail!("connection closed"),
+                Some(Err(e)) => bail!("connection failed: {e}"),
+                Some(Ok(Message::Text(text))) => return Ok(parse_server_frame(text.as_str())),
+                Some(Ok(Message::Close(frame))) => bail!(
+                    "connection closed: {:?}",
+                    frame.map(|f| (u16::from(f.code), f.reason.to_string()))
+                ),
+                Some(Ok(Message::Binary(b))) => {
+                    panic!("the gateway sent a binary frame ({} bytes)", b.len())
+                }
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+
+    /// The next frame, which must be of type `kind`.
+    pub async fn recv_kind(&mut self, kind: &str) -> Value {
+        let frame = self
+            .recv()
+            .await
+            .unwrap_or_else(|e| panic!("expected a `{kind}` frame: {e}"));
+        assert_eq!(frame["type"], kind, "expected a `{kind}` frame, got {frame}");
+        frame
+    }
+
+    /// The next frame, which must be an ERROR with exactly `text` and `code`.
+    pub async fn expect_error(&mut self, code: &str, text: &str) -> Value {
+        let frame = self
+            .recv()
+            .await
+            .unwrap_or_else(|e| panic!("expected ERROR `{text}`: {e}"));
+        assert_error(&frame, code, text);
+        frame
+    }
+
+    /// Sends a heartbeat and expects the server's exact heartbeat answer.
+    pub async fn heartbeat(&mut self, id: &str, client_type: &str) {
+        self.send(&aip_testkit::frames::heartbeat(id, client_type))
+            .await;
+        let answer = self
+            .recv()
+            .await
+            .unwrap_or_else(|e| panic!("heartbeat of {id} not answered: {e}"));
+        assert_heartbeat_answer(&answer);
+    }
+
+    /// Reads until the server closes; returns the close code, reason and frames before it.
+    pub async fn closed(&mut self) -> Closed {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        let mut frames = Vec::new();
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.ws.next())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("not closed within {WAIT:?}; frames so far: {frames:?}")
+                });
+            match next {
+                None | Some(Err(_)) => {
+                    return Closed {
+                        code: None,
+                        reason: String::new(),
+                        frames,
+                    };
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    return Closed {
+                        code: frame.as_ref().map(|f| u16::from(f.code)),
+                        reason: frame.map(|f| f.reason.to_string()).unwrap_or_default(),
+                        frames,
+                    };
+                }
+                Some(Ok(Message::Text(text))) => frames.push(parse_server_frame(text.as_str())),
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+
+    /// Reads (answering pings) for `quiet`; fails if anything but a ping or pong arrives.
+    pub async fn idle(&mut self, quiet: Duration) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + quiet;
+        loop {
+            match tokio::time::timeout_at(deadline, self.ws.next()).await {
+                Err(_) => return Ok(()),
+                Ok(Some(Ok(Message::Ping(_) | Message::Pong(_)))) => {}
+                Ok(Some(Ok(Message::Text(text)))) => {
+                    bail!("expected nothing, got {}", parse_server_frame(text.as_str()))
+                }
+                Ok(other) => bail!("expected nothing, got {other:?}"),
+            }
+        }
+    }
+
+    /// Closes the connection.
+    pub async fn close(mut self) {
+        let _ = self.ws.close(None).await;
+    }
+}
+
+fn parse_server_frame(text: &str) -> Value {
+    let frame: Value = serde_json::from_str(text)
+        .unwrap_or_else(|e| panic!("the gateway sent text that is not JSON ({e}): {text}"));
+    assert_ufo_server_message(&frame);
+    frame
+}
+
+/// The answer to a heartbeat: `{type:heartbeat,status:ok,timestamp,response_id}`.
+pub fn assert_heartbeat_answer(frame: &Value) {
+    assert_eq!(frame["type"], "heartbeat", "{frame}");
+    assert_eq!(frame["status"], "ok", "{frame}");
+    assert_timestamp(frame);
+    assert_uuid(&frame["response_id"], frame);
+}
+
+/// UFO's registration answer, exactly: `{type:heartbeat,status:ok,timestamp,response_id}`
+/// and no other key.
+pub fn assert_registration_answer(frame: &Value) {
+    assert_heartbeat_answer(frame);
+    let mut keys: Vec<&str> = frame
+        .as_object()
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        ["response_id", "status", "timestamp", "type"],
+        "UFO's exact registration answer: {frame}"
+    );
+}
+
+/// An ERROR frame: `{type:error,status:error,error:<text>,timestamp,response_id}` with the
+/// code in `metadata.error_code`.
+pub fn assert_error(frame: &Value, code: &str, text: &str) {
+    assert_eq!(frame["type"], "error", "expected ERROR `{text}`, got {frame}");
+    assert_eq!(frame["status"], "error", "{frame}");
+    assert_eq!(frame["error"], text, "{frame}");
+    assert_eq!(frame["metadata"]["error_code"], code, "{frame}");
+    assert_timestamp(frame);
+    assert_uuid(&frame["response_id"], frame);
+}
+
+/// `timestamp` is ISO 8601 with an offset, as UFO writes it.
+pub fn assert_timestamp(frame: &Value) {
+    let t = frame["timestamp"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no timestamp: {frame}"));
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(t).is_ok(),
+        "timestamp `{t}` is not ISO 8601 with an offset: {frame}"
+    );
+}
+
+fn assert_uuid(value: &Value, frame: &Value) {
+    let s = value
+        .as_str()
+        .unwrap_or_else(|| panic!("expected a uuid, got {value}: {frame}"));
+    assert!(uuid::Uuid::parse_str(s).is_ok(), "not a uuid: {s}: {frame}");
+}
+
+/// Connects to `url`, sends `frame` (a REGISTER) and checks UFO's exact registration answer.
+pub async fn registered(url: &str, frame: &Value) -> Ws {
+    let mut ws = Ws::connect(url).await;
+    ws.send(frame).await;
+    let answer = ws
+        .recv()
+        .await
+        .unwrap_or_else(|e| panic!("no registration answer to {frame}: {e}"));
+    assert_registration_answer(&answer);
+    ws
+}
+
+/// Connects, sends a REGISTER and expects ERROR `text` (code `code`) and then a close.
+pub async fn refused_registration(url: &str, frame: &Value, code: &str, text: &str) -> Closed {
+    let mut ws = Ws::connect(url).await;
+    ws.send(frame).await;
+    ws.expect_error(code, text).await;
+    let closed = ws.closed().await;
+    assert!(
+        closed.frames.is_empty(),
+        "nothing after the refusal but the close: {closed:?}"
+    );
+    closed
+}
+
+// ---------------------------------------------------------------------------------------
+// REST
+
+/// GET `url` → (status, JSON body or null).
+pub async fn get_json(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url)
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// `/api/clients`'s `online_clients`.
+pub async fn online_clients(base: &str) -> Vec<String> {
+    let (status, body) = get_json(&format!("{base}/api/clients")).await;
+    assert_eq!(status, 200, "{body}");
+    body["online_clients"]
+        .as_array()
+        .unwrap_or_else(|| panic!("UFO's shape {{online_clients: [...]}}: {body}"))
+        .iter()
+        .map(|c| c.as_str().expect("ids are strings").to_owned())
+        .collect()
+}
+
+/// `/api/agents/{id}`, or None on 404.
+pub async fn agent(base: &str, id: &str) -> Option<Value> {
+    let (status, body) = get_json(&format!("{base}/api/agents/{}", urlencode(id))).await;
+    match status {
+        200 => Some(body),
+        404 => None,
+        other => panic!("GET /api/agents/{id}: {other} {body}"),
+    }
+}
+
+/// The agent's registry status (`available`, `busy`, `offline`), if it is known.
+pub async fn agent_status(base: &str, id: &str) -> Option<String> {
+    agent(base, id)
+        .await
+        .and_then(|a| a["status"].as_str().map(str::to_owned))
+}
+
+/// Waits until the registry lists `id` in `/api/clients` and as `available`.
+pub async fn until_online(stack: &Stack, id: &str) {
+    let base = stack.registry_url();
+    eventually(&format!("`{id}` online in the registry"), || {
+        let base = base.clone();
+        async move {
+            let listed = online_clients(&base).await.iter().any(|c| c == id);
+            (listed && agent_status(&base, id).await.as_deref() == Some("available")).then_some(())
+        }
+    })
+    .await
+    .expect("online");
+}
+
+/// Waits until the registry has `id` offline (and not in `/api/clients`).
+pub async fn until_offline(stack: &Stack, id: &str) {
+    until_offline_at(&stack.registry_url(), id).await;
+}
+
+/// [`until_offline`] against a registry base URL.
+pub async fn until_offline_at(base: &str, id: &str) {
+    eventually(&format!("`{id}` offline in the registry"), || async move {
+        let listed = online_clients(base).await.iter().any(|c| c == id);
+        (!listed && agent_status(base, id).await.as_deref() == Some("offline")).then_some(())
+    })
+    .await
+    .expect("offline");
+}
+
+/// Percent-encodes everything but unreserved characters (for ids in URL paths).
+pub fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Starts a gateway of `stack` with modified settings (for knobs the test kit lacks).
+/// Returns its `ws://` URL, and a sender that stops it.
+pub async fn custom_gateway(
+    stack: &Stack,
+    change: impl FnOnce(&mut aip_gateway::Settings),
+) -> (String, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let mut settings = stack.gateway_settings();
+    change(&mut settings);
+    let app = aip_gateway::Application::build(settings, stack.bus.clone())
+        .await
+        .context("gateway")
+        .expect("the gateway builds");
+    let url = format!("ws://{}/ws", app.local_addr());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        let stop = async move {
+            let _ = rx.await;
+        };
+        app.run_until(stop).await.expect("the gateway runs");
+    });
+    (url, tx, handle)
+}
