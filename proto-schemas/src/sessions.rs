@@ -262,3 +262,10 @@ pub struct TaskView {
     /// Events so far.
     pub events: i64,
 }
+
+/// One chunk of a stored large body (raw bytes of the original payload, not JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(
+    description = "Raw bytes: one chunk of a body too large for one message. Joined in the order of the `Aip-Blob` reference's sequences, the chunks give the original payload."
+)]
+pub struct BlobChunk(pub String);

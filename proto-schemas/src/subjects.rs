@@ -220,6 +220,19 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             re-sent frame is stored once.",
     },
     SubjectSpec {
+        name: "blobs",
+        template: "blobs.{blob}",
+        pattern: Pattern::JetStream,
+        payload: "BlobChunk",
+        reply: None,
+        publishers: &["aip-gateway", "aip-sessions"],
+        consumers: &["aip-gateway", "aip-sessions (read back by stream sequence)"],
+        description: "Bodies larger than a NATS message (UFO frames reach 100 MiB): stored in chunks in \
+            stream `<prefix>_blobs` (kept one hour); the message that would have carried the body has \
+            an empty payload and an `Aip-Blob` header with `{\"stream\", \"sequences\", \"size\"}`, and \
+            the receiver reads the chunks back in order and joins them.",
+    },
+    SubjectSpec {
         name: "sessions.submit",
         template: "sessions.submit",
         pattern: Pattern::RequestReply,
@@ -334,6 +347,16 @@ impl Subjects {
     /// The frames stream's name: the prefix with `.` as `_`, then `_frames`.
     pub fn frames_stream(&self) -> String {
         format!("{}_frames", self.prefix.replace('.', "_"))
+    }
+
+    /// `blobs`: the subject prefix of stored large bodies.
+    pub fn blobs(&self) -> String {
+        self.join("blobs")
+    }
+
+    /// The blob stream's name: the prefix with `.` as `_`, then `_blobs`.
+    pub fn blobs_stream(&self) -> String {
+        format!("{}_blobs", self.prefix.replace('.', "_"))
     }
 
     /// `sessions.submit`.

@@ -10,6 +10,7 @@
 //! Messages carry [`Headers`] from the start: W3C `traceparent` for tracing and `Nats-Msg-Id`
 //! for de-duplication travel on every message that has them.
 
+mod blob;
 mod dedup;
 mod durable;
 mod error;
@@ -23,6 +24,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
+pub use blob::{BLOB_HEADER, BlobRef, BlobStore, payload_of};
 pub use dedup::RecentIds;
 pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};
 pub use error::BusError;
@@ -102,6 +104,18 @@ pub trait Bus: Send + Sync + 'static {
         headers: Headers,
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>>;
+
+    /// Stores a body in a blob stream in chunks of at most `chunk` bytes, under `subject`.
+    fn put_blob(
+        &self,
+        stream: String,
+        subject: String,
+        body: Bytes,
+        chunk: usize,
+    ) -> BoxFuture<'_, Result<BlobRef, BusError>>;
+
+    /// Reads a stored body back.
+    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>>;
 
     /// Consumes a stream through the named durable consumer; consumers sharing a name share
     /// the messages. At most `max_in_flight` messages are delivered and not yet acked.

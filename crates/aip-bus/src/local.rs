@@ -12,6 +12,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use tokio::sync::mpsc;
 
+use crate::blob::BlobRef;
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::headers::names;
 use crate::{Bus, BusError, Headers, Message, RecentIds, Subscription, subject_matches};
@@ -38,6 +39,17 @@ impl LocalStream {
             .first_time(id)
     }
 }
+
+/// In-process blob chunks, oldest first, bounded in total size.
+#[derive(Default)]
+struct LocalBlobs {
+    next: u64,
+    bytes: usize,
+    chunks: std::collections::BTreeMap<u64, Bytes>,
+}
+
+/// Most bytes of blobs kept in process; the oldest go first.
+const LOCAL_BLOB_BYTES: usize = 1 << 30;
 
 /// Redelivery handle of an in-process durable message.
 pub(crate) struct LocalAck {
@@ -68,6 +80,7 @@ pub struct LocalBus {
 }
 
 struct Inner {
+    blobs: std::sync::Mutex<LocalBlobs>,
     streams: RwLock<HashMap<String, Arc<LocalStream>>>,
     exact: RwLock<HashMap<String, Vec<Sub>>>,
     wildcard: RwLock<Vec<(String, Sub)>>,
@@ -100,6 +113,7 @@ impl LocalBus {
     pub fn with_limits(capacity: usize, max_payload: usize) -> Self {
         LocalBus {
             inner: Arc::new(Inner {
+                blobs: std::sync::Mutex::new(LocalBlobs::default()),
                 streams: RwLock::new(HashMap::new()),
                 exact: RwLock::new(HashMap::new()),
                 wildcard: RwLock::new(Vec::new()),
@@ -361,5 +375,52 @@ impl Bus for LocalBus {
             Ok(deliveries.boxed())
         }
         .boxed()
+    }
+
+    fn put_blob(
+        &self,
+        stream: String,
+        _subject: String,
+        body: Bytes,
+        chunk: usize,
+    ) -> BoxFuture<'_, Result<BlobRef, BusError>> {
+        let mut blobs = self.inner.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sequences = Vec::new();
+        for piece in body.chunks(chunk.max(1)) {
+            blobs.next += 1;
+            let seq = blobs.next;
+            blobs.bytes += piece.len();
+            blobs.chunks.insert(seq, body.slice_ref(piece));
+            sequences.push(seq);
+        }
+        while blobs.bytes > LOCAL_BLOB_BYTES {
+            let Some((_, old)) = blobs.chunks.pop_first() else {
+                break;
+            };
+            blobs.bytes -= old.len();
+        }
+        futures::future::ready(Ok(BlobRef {
+            stream,
+            sequences,
+            size: body.len(),
+        }))
+        .boxed()
+    }
+
+    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>> {
+        let blobs = self.inner.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut body = bytes::BytesMut::with_capacity(blob.size);
+        for seq in &blob.sequences {
+            match blobs.chunks.get(seq) {
+                Some(chunk) => body.extend_from_slice(chunk),
+                None => {
+                    return futures::future::ready(Err(BusError::NoStream {
+                        subject: format!("{} (blob chunk {seq} expired)", blob.stream),
+                    }))
+                    .boxed();
+                }
+            }
+        }
+        futures::future::ready(Ok(body.freeze())).boxed()
     }
 }

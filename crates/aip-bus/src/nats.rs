@@ -9,6 +9,7 @@ use futures::{FutureExt, StreamExt};
 
 use async_nats::jetstream;
 
+use crate::blob::BlobRef;
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::{Bus, BusError, Headers, Message, Subscription};
 
@@ -288,6 +289,69 @@ impl Bus for NatsBus {
                     }),
                 })
                 .boxed())
+        }
+        .boxed()
+    }
+
+    fn put_blob(
+        &self,
+        stream: String,
+        subject: String,
+        body: Bytes,
+        chunk: usize,
+    ) -> BoxFuture<'_, Result<BlobRef, BusError>> {
+        async move {
+            let mut sequences = Vec::new();
+            for piece in body.chunks(chunk.max(1)) {
+                let wrap = |e: Box<dyn std::error::Error + Send + Sync>| BusError::Nats {
+                    operation: "store blob chunk",
+                    subject: subject.clone(),
+                    source: e,
+                };
+                let ack = self
+                    .jetstream
+                    .publish(subject.clone(), body.slice_ref(piece))
+                    .await
+                    .map_err(|e| wrap(Box::new(e)))?
+                    .await
+                    .map_err(|e| wrap(Box::new(e)))?;
+                if ack.stream != stream {
+                    return Err(wrap(
+                        format!("chunk stored in stream {} instead of {stream}", ack.stream).into(),
+                    ));
+                }
+                sequences.push(ack.sequence);
+            }
+            Ok(BlobRef {
+                stream,
+                sequences,
+                size: body.len(),
+            })
+        }
+        .boxed()
+    }
+
+    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>> {
+        async move {
+            let wrap = |e: Box<dyn std::error::Error + Send + Sync>| BusError::Nats {
+                operation: "read blob",
+                subject: blob.stream.clone(),
+                source: e,
+            };
+            let stream = self
+                .jetstream
+                .get_stream(&blob.stream)
+                .await
+                .map_err(|e| wrap(Box::new(e)))?;
+            let mut body = bytes::BytesMut::with_capacity(blob.size);
+            for sequence in &blob.sequences {
+                let message = stream
+                    .get_raw_message(*sequence)
+                    .await
+                    .map_err(|e| wrap(Box::new(e)))?;
+                body.extend_from_slice(&message.payload);
+            }
+            Ok(body.freeze())
         }
         .boxed()
     }

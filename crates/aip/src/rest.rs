@@ -187,8 +187,8 @@ impl Broker {
         path: &str,
         query: &[(&str, String)],
     ) -> Result<T, RestError> {
-        let url = self.url(path);
-        let response = self.send(&url, self.http.get(&url).query(query)).await?;
+        let url = with_query(&self.url(path), query);
+        let response = self.send(&url, self.http.get(&url)).await?;
         Self::decode(&url, response).await
     }
 
@@ -209,12 +209,11 @@ impl Broker {
         task_id: &str,
         after: i64,
     ) -> Result<reqwest::Response, RestError> {
-        let url = self.url(&format!("/api/tasks/{}/events/stream", path_segment(task_id)));
-        let request = self
-            .http
-            .get(&url)
-            .query(&[("after", after.to_string())])
-            .header("Accept", "text/event-stream");
+        let url = with_query(
+            &self.url(&format!("/api/tasks/{}/events/stream", path_segment(task_id))),
+            &[("after", after.to_string())],
+        );
+        let request = self.http.get(&url).header("Accept", "text/event-stream");
         self.send(&url, request).await
     }
 }
@@ -243,9 +242,30 @@ pub fn path_segment(id: &str) -> String {
         .collect()
 }
 
+/// `url?k=v&…` with keys and values percent-encoded.
+pub fn with_query(url: &str, query: &[(&str, String)]) -> String {
+    if query.is_empty() {
+        return url.to_owned();
+    }
+    let pairs: Vec<String> = query
+        .iter()
+        .map(|(k, v)| format!("{}={}", path_segment(k), path_segment(v)))
+        .collect();
+    format!("{url}?{}", pairs.join("&"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queries_are_encoded() {
+        assert_eq!(with_query("http://h/x", &[]), "http://h/x");
+        assert_eq!(
+            with_query("http://h/x", &[("state", "a b".into()), ("limit", "5".into())]),
+            "http://h/x?state=a%20b&limit=5"
+        );
+    }
 
     #[test]
     fn ids_are_encoded_for_paths() {

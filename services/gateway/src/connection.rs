@@ -225,7 +225,7 @@ impl Connection {
                 delivery = deliveries.next() => {
                     match delivery {
                         Some(message) => {
-                            if let Some(ended) = self.on_delivery(message) {
+                            if let Some(ended) = self.on_delivery(message).await {
                                 return ended;
                             }
                         }
@@ -470,7 +470,7 @@ impl Connection {
     }
 
     /// Something published on this client's delivery subject.
-    fn on_delivery(&mut self, message: BusMessage) -> Option<Ended> {
+    async fn on_delivery(&mut self, message: BusMessage) -> Option<Ended> {
         if message.headers.get(names::CONTROL) == Some("disconnect") {
             if message.headers.get(names::CONNECTION) == Some(self.connection_id.as_str()) {
                 self.close(
@@ -489,7 +489,18 @@ impl Connection {
                 return None;
             }
         }
-        let text = match String::from_utf8(message.payload.to_vec()) {
+        let payload = match aip_bus::payload_of(self.state.bus.as_ref(), &message).await {
+            Ok(payload) => payload,
+            Err(e) => {
+                tracing::error!(subject = %message.subject, "a large frame for this client could not be read back: {e}");
+                self.send(server::error(
+                    ErrorCode::Internal,
+                    format!("a frame for you was lost in transit: {e}"),
+                ));
+                return None;
+            }
+        };
+        let text = match String::from_utf8(payload.to_vec()) {
             Ok(text) => text,
             Err(_) => {
                 tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
@@ -703,20 +714,15 @@ impl Connection {
         msg_id: String,
     ) -> Result<(), String> {
         let body = serde_json::to_vec(event).map_err(|e| format!("internal error: {e}"))?;
-        let limit = self.state.bus.max_payload();
-        if body.len() > limit {
-            return Err(format!(
-                "the frame is {} bytes and the message bus carries at most {limit}; large frames are not supported yet",
-                body.len()
-            ));
-        }
         let headers = Headers::new().with(names::MSG_ID, msg_id);
-        match self
-            .state
-            .bus
-            .publish_durable(self.state.subjects.frames(client_id), headers, body.into())
-            .await
-        {
+        let subject = self.state.subjects.frames(client_id);
+        let published = self.state.blobs.publish_durable(
+            self.state.bus.as_ref(),
+            subject,
+            headers,
+            body.into(),
+        );
+        match published.await {
             Ok(()) => Ok(()),
             Err(BusError::NoStream { .. }) => Err(
                 "the session service has not started (no frames stream); try again later"

@@ -45,6 +45,8 @@ pub struct AppState {
     pub bus: SharedBus,
     /// Subjects under the configured prefix.
     pub subjects: Subjects,
+    /// Where bodies too large for one bus message go.
+    pub blobs: aip_bus::BlobStore,
     /// Who may connect.
     pub credentials: Credentials,
     /// Registered connections, for presence.
@@ -98,6 +100,12 @@ impl Application {
                 "gateway.outbound_queue and gateway.max_connections must be at least 1".into(),
             ));
         }
+        let blobs = aip_bus::BlobStore::for_subjects(&subjects);
+        if let Err(e) = bus.ensure_stream(blobs.stream_spec()).await {
+            tracing::warn!(
+                "cannot create the blob stream (frames over the bus limit will fail): {e}"
+            );
+        }
         let listener = TcpListener::bind(listen)
             .await
             .map_err(|source| StartError::Bind {
@@ -113,6 +121,7 @@ impl Application {
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
             settings,
             gateway_id,
+            blobs: aip_bus::BlobStore::for_subjects(&subjects),
             bus,
             subjects,
             credentials,

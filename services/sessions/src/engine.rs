@@ -130,6 +130,7 @@ pub struct Engine {
     settings: SessionSettings,
     outbox_done: tokio::sync::mpsc::Sender<i64>,
     plans: tokio::sync::mpsc::Sender<String>,
+    blobs: aip_bus::BlobStore,
 }
 
 impl Engine {
@@ -143,6 +144,7 @@ impl Engine {
         outbox_done: tokio::sync::mpsc::Sender<i64>,
         plans: tokio::sync::mpsc::Sender<String>,
     ) -> Self {
+        let blobs = aip_bus::BlobStore::for_subjects(&subjects);
         Engine {
             store,
             bus,
@@ -150,12 +152,18 @@ impl Engine {
             settings,
             outbox_done,
             plans,
+            blobs,
         }
     }
 
     /// The bus.
     pub fn bus(&self) -> &SharedBus {
         &self.bus
+    }
+
+    /// Where large bodies go.
+    pub fn blobs(&self) -> &aip_bus::BlobStore {
+        &self.blobs
     }
 
     /// The subjects.
@@ -182,8 +190,13 @@ impl Engine {
     async fn finish_effects(&self, effects: Effects) {
         for (id, subject, payload) in effects.published {
             match self
-                .bus
-                .publish(subject.clone(), delivery_headers(id), payload.into())
+                .blobs
+                .publish(
+                    self.bus.as_ref(),
+                    subject.clone(),
+                    delivery_headers(id),
+                    payload.into(),
+                )
                 .await
             {
                 Ok(()) => {

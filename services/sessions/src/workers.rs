@@ -20,9 +20,13 @@ use crate::store::now_ms;
 /// The durable consumer's name, shared by every replica.
 pub const CONSUMER: &str = "aip-sessions";
 
-/// Creates the frames stream the gateways publish into.
+/// Creates the frames stream the gateways publish into, and the blob stream.
 pub async fn ensure_frames_stream(engine: &Engine) -> Result<(), aip_bus::BusError> {
     let subjects = engine.subjects();
+    engine
+        .bus()
+        .ensure_stream(engine.blobs().stream_spec())
+        .await?;
     engine
         .bus()
         .ensure_stream(StreamSpec::new(
@@ -85,7 +89,15 @@ pub async fn consume_frames(
                 .get(names::MSG_ID)
                 .map(str::to_owned)
                 .unwrap_or_else(|| format!("{}:{}", delivery.message.subject, uuid::Uuid::new_v4()));
-            let event: GatewayEvent = match serde_json::from_slice(&delivery.message.payload) {
+            let payload = match aip_bus::payload_of(engine.bus().as_ref(), &delivery.message).await {
+                Ok(payload) => payload,
+                Err(e) => {
+                    tracing::warn!(attempt = delivery.delivered, "large frame not readable yet, will retry: {e}");
+                    let _ = delivery.nak(Duration::from_secs(1)).await;
+                    return;
+                }
+            };
+            let event: GatewayEvent = match serde_json::from_slice(&payload) {
                 Ok(e) => e,
                 Err(e) => {
                     tracing::error!(subject = %delivery.message.subject, "unreadable event in the frames stream, dropped: {e}");
@@ -185,15 +197,14 @@ pub async fn run_sweeper(engine: Engine, stop: CancellationToken) {
             Ok(rows) => {
                 let mut sent = Vec::new();
                 for row in rows {
-                    match engine
-                        .bus()
-                        .publish(
-                            row.subject.clone(),
-                            crate::engine::delivery_headers(row.id),
-                            row.payload.into(),
-                        )
-                        .await
-                    {
+                    let headers = crate::engine::delivery_headers(row.id);
+                    let publish = engine.blobs().publish(
+                        engine.bus().as_ref(),
+                        row.subject.clone(),
+                        headers,
+                        row.payload.into(),
+                    );
+                    match publish.await {
                         Ok(()) => sent.push(row.id),
                         Err(e) => {
                             tracing::warn!(subject = %row.subject, "outbox re-send failed: {e}")

@@ -294,3 +294,58 @@ async fn rest_dispatch_by_capability_and_ufo_dispatch(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(rest_dispatch_by_capability_and_ufo_dispatch);
+
+async fn frames_larger_than_a_bus_message_travel_both_ways(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            gateways: 2,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let mut device = registered(&stack.ws_url(1), device_register("cam-1", "windows")).await;
+    online(&stack, "cam-1").await;
+    let mut galaxy = registered(
+        &stack.ws_url(0),
+        constellation_register("g@cam-1", Some("cam-1")),
+    )
+    .await;
+    galaxy
+        .send(&constellation_task(
+            "g@cam-1",
+            "cam-1",
+            "big-1",
+            "big",
+            Some(one_step("screenshot", json!({}))),
+        ))
+        .await
+        .expect("task");
+    let command = device.recv_type("command").await.expect("command");
+    // A 3 MiB screenshot: three times what one NATS message carries.
+    let screenshot = "A".repeat(3 * 1024 * 1024);
+    let mut results = command_results_for("cam-1", &command);
+    results["action_results"][0]["result"] = json!({ "png_base64": screenshot });
+    device.send(&results).await.expect("send 3 MiB");
+    let end = galaxy
+        .recv_type("task_end")
+        .await
+        .expect("task_end with the screenshot");
+    assert_eq!(end["status"], "completed");
+    assert_eq!(
+        end["result"][0]["results"][0]["result"]["png_base64"]
+            .as_str()
+            .map(str::len),
+        Some(screenshot.len())
+    );
+    let (_, task) = get_json(&format!("{}/api/tasks/big-1", stack.sessions_url())).await;
+    assert_eq!(
+        task["result"][0]["results"][0]["result"]["png_base64"]
+            .as_str()
+            .map(str::len),
+        Some(screenshot.len())
+    );
+    stack.stop().await;
+}
+both_backends!(frames_larger_than_a_bus_message_travel_both_ways);

@@ -85,7 +85,7 @@ impl Ws {
     pub async fn connect(url: &str) -> Ws {
         Self::try_connect(url)
             .await
-            .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
+            .unwrap_or_else(|e| panic!("connecting to {url}: {e:?}"))
     }
 
     /// Connects with an `Authorization: Bearer` header.
@@ -190,7 +190,10 @@ impl Ws {
             .recv()
             .await
             .unwrap_or_else(|e| panic!("expected a `{kind}` frame: {e}"));
-        assert_eq!(frame["type"], kind, "expected a `{kind}` frame, got {frame}");
+        assert_eq!(
+            frame["type"], kind,
+            "expected a `{kind}` frame, got {frame}"
+        );
         frame
     }
 
@@ -254,7 +257,10 @@ impl Ws {
                 Err(_) => return Ok(()),
                 Ok(Some(Ok(Message::Ping(_) | Message::Pong(_)))) => {}
                 Ok(Some(Ok(Message::Text(text)))) => {
-                    bail!("expected nothing, got {}", parse_server_frame(text.as_str()))
+                    bail!(
+                        "expected nothing, got {}",
+                        parse_server_frame(text.as_str())
+                    )
                 }
                 Ok(other) => bail!("expected nothing, got {other:?}"),
             }
@@ -301,7 +307,10 @@ pub fn assert_registration_answer(frame: &Value) {
 /// An ERROR frame: `{type:error,status:error,error:<text>,timestamp,response_id}` with the
 /// code in `metadata.error_code`.
 pub fn assert_error(frame: &Value, code: &str, text: &str) {
-    assert_eq!(frame["type"], "error", "expected ERROR `{text}`, got {frame}");
+    assert_eq!(
+        frame["type"], "error",
+        "expected ERROR `{text}`, got {frame}"
+    );
     assert_eq!(frame["status"], "error", "{frame}");
     assert_eq!(frame["error"], text, "{frame}");
     assert_eq!(frame["metadata"]["error_code"], code, "{frame}");
@@ -448,7 +457,11 @@ pub fn free_port() -> u16 {
 pub async fn custom_gateway(
     stack: &Stack,
     change: impl FnOnce(&mut aip_gateway::Settings),
-) -> (String, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+) -> (
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
     let mut settings = stack.gateway_settings();
     change(&mut settings);
     let app = aip_gateway::Application::build(settings, stack.bus.clone())

@@ -1,0 +1,126 @@
+//! Bodies larger than the bus carries.
+//!
+//! NATS carries 1 MiB per message by default, and UFO's frames reach 100 MiB (screenshots, UI
+//! trees). A body that does not fit is stored in a blob stream, in chunks, and the message
+//! carries a reference to it in the `Aip-Blob` header with an empty payload;
+//! [`payload_of`] resolves it on the receiving side. The in-process bus stores blobs in memory
+//! the same way, so the path is exercised in both modes.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::{Bus, BusError, Headers, Message};
+
+/// Header carrying a [`BlobRef`] as JSON.
+pub const BLOB_HEADER: &str = "Aip-Blob";
+
+/// Room left in a message for headers and subject.
+const HEADROOM: usize = 16 * 1024;
+
+/// Where a stored body is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobRef {
+    /// The blob stream.
+    pub stream: String,
+    /// The chunks, in order (stream sequence numbers).
+    pub sequences: Vec<u64>,
+    /// Total size in bytes.
+    pub size: usize,
+}
+
+/// The blob stream of a deployment: its name and the subject chunks are stored under.
+#[derive(Debug, Clone)]
+pub struct BlobStore {
+    /// Stream name.
+    pub stream: String,
+    /// Subject prefix of chunks (`<prefix>.blobs`).
+    pub subject: String,
+}
+
+impl BlobStore {
+    /// The blob store of a deployment's subjects.
+    pub fn for_subjects(subjects: &proto_schemas::Subjects) -> Self {
+        BlobStore {
+            stream: subjects.blobs_stream(),
+            subject: subjects.blobs(),
+        }
+    }
+
+    /// The stream to create at start-up (kept one hour, 4 GiB at most).
+    pub fn stream_spec(&self) -> crate::StreamSpec {
+        let mut spec =
+            crate::StreamSpec::new(self.stream.clone(), vec![format!("{}.>", self.subject)]);
+        spec.max_age = std::time::Duration::from_secs(3600);
+        spec.max_bytes = 4 << 30;
+        spec
+    }
+
+    /// Largest chunk for a bus.
+    fn chunk_size(bus: &dyn Bus) -> usize {
+        bus.max_payload().saturating_sub(HEADROOM).max(1024)
+    }
+
+    /// Whether `payload` must travel as a blob on `bus`.
+    pub fn needed(bus: &dyn Bus, payload: &[u8]) -> bool {
+        payload.len() + HEADROOM > bus.max_payload()
+    }
+
+    async fn store(
+        &self,
+        bus: &dyn Bus,
+        headers: &mut Headers,
+        payload: Bytes,
+    ) -> Result<Bytes, BusError> {
+        if !Self::needed(bus, &payload) {
+            return Ok(payload);
+        }
+        let subject = format!("{}.{}", self.subject, uuid::Uuid::new_v4().simple());
+        let blob = bus
+            .put_blob(self.stream.clone(), subject, payload, Self::chunk_size(bus))
+            .await?;
+        headers.insert(
+            BLOB_HEADER,
+            serde_json::to_string(&blob).unwrap_or_default(),
+        );
+        Ok(Bytes::new())
+    }
+
+    /// Publishes, storing the body as a blob if it is too large for one message.
+    pub async fn publish(
+        &self,
+        bus: &dyn Bus,
+        subject: String,
+        mut headers: Headers,
+        payload: Bytes,
+    ) -> Result<(), BusError> {
+        let payload = self.store(bus, &mut headers, payload).await?;
+        bus.publish(subject, headers, payload).await
+    }
+
+    /// [`BlobStore::publish`] into a durable stream.
+    pub async fn publish_durable(
+        &self,
+        bus: &dyn Bus,
+        subject: String,
+        mut headers: Headers,
+        payload: Bytes,
+    ) -> Result<(), BusError> {
+        let payload = self.store(bus, &mut headers, payload).await?;
+        bus.publish_durable(subject, headers, payload).await
+    }
+}
+
+/// The body of a message: its payload, or the blob its `Aip-Blob` header points to.
+pub async fn payload_of(bus: &dyn Bus, message: &Message) -> Result<Bytes, BusError> {
+    match message.headers.get(BLOB_HEADER) {
+        None => Ok(message.payload.clone()),
+        Some(text) => {
+            let blob: BlobRef = serde_json::from_str(text).map_err(|e| BusError::Nats {
+                operation: "read blob reference",
+                subject: message.subject.clone(),
+                source: Box::new(e),
+            })?;
+            bus.get_blob(blob).await
+        }
+    }
+}

@@ -1,0 +1,510 @@
+//! `aip dev`: the whole broker in one process, on one listener.
+//!
+//! The gateway, the registry and the session service are built exactly as their own binaries
+//! build them, on one bus and one database: by default the in-process bus
+//! ([`aip_bus::LocalBus`]) and an SQLite file in the data directory, so nothing else has to
+//! run; `--nats-url` and `--database-url` switch to NATS and PostgreSQL. Their routers are
+//! served together on one address ([`router`]):
+//!
+//! | path | served by |
+//! | --- | --- |
+//! | `/ws` | gateway |
+//! | `/api/agents`, `/api/agents/{id}`, `/api/clients`, `/api/health` | registry |
+//! | `/healthz`, `/readyz` | `aip dev` itself: the process, and bus + database |
+//! | everything else (`/api/tasks…`, `/api/dispatch`, `/api/task_result/…`, `/openapi.json`) | session service |
+//!
+//! Each service also binds its own loopback listener on a free port (their `build` binds);
+//! nothing needs it, the address clients use is the one printed.
+//!
+//! Shutdown (Ctrl-C, SIGTERM) stops taking connections, then stops the gateway first (sockets
+//! closed with 1001, agents marked offline), then the session service, then the registry, so
+//! each one's last messages still find the others.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use aip_bus::{LocalBus, NatsBus, SharedBus};
+use aip_store::Database;
+use anyhow::{Context, bail};
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::UsageError;
+use crate::cli::{DEFAULT_LISTEN, DevArgs};
+
+/// The registry's paths; every other path except `/ws` and the probes goes to the session
+/// service.
+pub const REGISTRY_PATHS: &[&str] = &[
+    "/api/agents",
+    "/api/agents/{id}",
+    "/api/clients",
+    "/api/health",
+];
+
+/// The SQLite file inside the data directory.
+pub const DATABASE_FILE: &str = "aip.db";
+
+/// How long shutdown waits for each service before moving on.
+const STOP_WAIT: Duration = Duration::from_secs(15);
+
+/// What `aip dev` tells its user at start.
+#[derive(Debug, Clone)]
+pub struct DevInfo {
+    /// The one address.
+    pub addr: SocketAddr,
+    /// `ws://…/ws`.
+    pub ws_url: String,
+    /// `http://…`.
+    pub rest_url: String,
+    /// The data directory (absolute).
+    pub data_dir: PathBuf,
+    /// The database URL, password masked.
+    pub database: String,
+    /// The bus, in words.
+    pub bus: String,
+}
+
+/// A built broker, bound and ready to run.
+pub struct DevServer {
+    listener: TcpListener,
+    router: Router,
+    gateway: aip_gateway::Application,
+    registry: aip_registry::Application,
+    sessions: aip_sessions::Application,
+    bus: SharedBus,
+    db: Database,
+    stopping: CancellationToken,
+    info: DevInfo,
+}
+
+/// What `/readyz` checks.
+#[derive(Clone)]
+struct Health {
+    bus: SharedBus,
+    db: Database,
+    stopping: CancellationToken,
+}
+
+/// `GET /healthz`: the process is up.
+async fn healthz() -> axum::Json<serde_json::Value> {
+    axum::Json(json!({ "status": "ok" }))
+}
+
+/// `GET /readyz`: the bus and the database answer (what the three services' own probes check).
+async fn readyz(State(health): State<Health>) -> Response {
+    const LIMIT: Duration = Duration::from_secs(2);
+    if health.stopping.is_cancelled() {
+        return unavailable("shutting down".to_owned());
+    }
+    match tokio::time::timeout(LIMIT, health.bus.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return unavailable(format!("bus unavailable: {e}")),
+        Err(_) => return unavailable(format!("the bus did not answer within {LIMIT:?}")),
+    }
+    match tokio::time::timeout(LIMIT, health.db.ping()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return unavailable(format!("database unavailable: {e}")),
+        Err(_) => return unavailable(format!("the database did not answer within {LIMIT:?}")),
+    }
+    axum::Json(json!({ "status": "ready", "bus": "ok", "database": "ok" })).into_response()
+}
+
+fn unavailable(detail: String) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        axum::Json(json!({ "status": "unavailable", "detail": detail })),
+    )
+        .into_response()
+}
+
+/// The one router: `/ws` to the gateway, [`REGISTRY_PATHS`] to the registry, the probes
+/// answered here, everything else to the session service. Each service's router keeps its
+/// own authentication (API keys on `/api/*`, tokens on `/ws`).
+pub fn router(gateway: Router, registry: Router, sessions: Router, health: Router) -> Router {
+    let mut app = Router::new().route_service("/ws", gateway.into_service());
+    for path in REGISTRY_PATHS {
+        app = app.route_service(path, registry.clone().into_service());
+    }
+    app.merge(health).fallback_service(sessions.into_service())
+}
+
+fn display_addr(addr: SocketAddr) -> SocketAddr {
+    match addr.ip() {
+        ip if ip.is_unspecified() => SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), addr.port()),
+        _ => addr,
+    }
+}
+
+fn sqlite_url(data_dir: &Path) -> String {
+    format!("sqlite://{}", data_dir.join(DATABASE_FILE).display())
+}
+
+impl DevServer {
+    /// Binds the listener, opens the bus and the database, and builds the three services.
+    pub async fn build(args: &DevArgs) -> anyhow::Result<Self> {
+        let secured = !args.api_keys.is_empty() && args.credentials_file.is_some();
+        if !args.listen.ip().is_loopback() && !secured && !args.allow_no_auth {
+            bail!(UsageError(format!(
+                "refusing to serve on {} without API keys and gateway credentials: give \
+                 --api-key and --credentials-file, listen on a loopback address, or pass \
+                 --allow-no-auth on a trusted network",
+                args.listen
+            )));
+        }
+        let listener = TcpListener::bind(args.listen).await.with_context(|| {
+            format!(
+                "cannot listen on {}: is another `aip dev` (or UFO's server) using it? Stop it, \
+                 or pick another address with --listen",
+                args.listen
+            )
+        })?;
+        let addr = listener.local_addr().context("reading the bound address")?;
+
+        std::fs::create_dir_all(&args.data_dir).with_context(|| {
+            format!("cannot create the data directory {}", args.data_dir.display())
+        })?;
+        let data_dir = std::fs::canonicalize(&args.data_dir)
+            .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
+        let database_url = args
+            .database_url
+            .clone()
+            .unwrap_or_else(|| sqlite_url(&data_dir));
+
+        let (bus, bus_text): (SharedBus, String) = match &args.nats_url {
+            Some(url) => (
+                Arc::new(NatsBus::connect(url, "aip-dev").await.with_context(|| {
+                    format!("cannot connect to NATS at {url}: is nats-server running there?")
+                })?),
+                format!("NATS at {url}, subjects {}.*", args.subject_prefix),
+            ),
+            None => (
+                Arc::new(LocalBus::new()),
+                "in-process (remote planners and other processes need --nats-url)".to_owned(),
+            ),
+        };
+        let db = Database::connect(&database_url).await?;
+        db.migrate().await?;
+
+        let internal = SocketAddr::from(([127, 0, 0, 1], 0));
+        let config = args.config.as_deref();
+
+        let mut registry: aip_registry::Settings = aip_runtime::settings::load(config)?;
+        registry.subject_prefix = args.subject_prefix.clone();
+        registry.registry.listen = internal;
+        registry.registry.api_keys = args.api_keys.clone();
+        let registry = aip_registry::Application::build(registry, bus.clone(), db.clone())
+            .await
+            .context("the registry did not start")?;
+
+        let mut sessions: aip_sessions::Settings = aip_runtime::settings::load(config)?;
+        sessions.subject_prefix = args.subject_prefix.clone();
+        sessions.sessions.listen = internal;
+        sessions.sessions.api_keys = args.api_keys.clone();
+        let sessions = aip_sessions::Application::build(sessions, bus.clone(), db.clone())
+            .await
+            .context("the session service did not start")?;
+
+        let mut gateway: aip_gateway::Settings = aip_runtime::settings::load(config)?;
+        gateway.subject_prefix = args.subject_prefix.clone();
+        gateway.gateway.listen = internal;
+        if args.credentials_file.is_some() {
+            gateway.gateway.credentials_file = args.credentials_file.clone();
+        }
+        let gateway = aip_gateway::Application::build(gateway, bus.clone())
+            .await
+            .context("the gateway did not start")?;
+
+        let stopping = CancellationToken::new();
+        let health = Router::new()
+            .route("/healthz", get(healthz))
+            .route("/readyz", get(readyz))
+            .with_state(Health {
+                bus: bus.clone(),
+                db: db.clone(),
+                stopping: stopping.clone(),
+            });
+        let router = router(gateway.router(), registry.router(), sessions.router(), health);
+        let shown = display_addr(addr);
+        let info = DevInfo {
+            addr,
+            ws_url: format!("ws://{shown}/ws"),
+            rest_url: format!("http://{shown}"),
+            data_dir,
+            database: aip_store::mask_url(&database_url),
+            bus: bus_text,
+        };
+        Ok(DevServer {
+            listener,
+            router,
+            gateway,
+            registry,
+            sessions,
+            bus,
+            db,
+            stopping,
+            info,
+        })
+    }
+
+    /// Addresses and places, for the banner.
+    pub fn info(&self) -> &DevInfo {
+        &self.info
+    }
+
+    /// Serves until `shutdown` completes (or a service fails), then stops everything in order.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+        let DevServer {
+            listener,
+            router,
+            gateway,
+            registry,
+            sessions,
+            bus,
+            db,
+            stopping,
+            info: _,
+        } = self;
+        let gateway_stop = CancellationToken::new();
+        let sessions_stop = CancellationToken::new();
+        let registry_stop = CancellationToken::new();
+        let mut registry_task = tokio::spawn(
+            registry.run_until_stopped(registry_stop.clone().cancelled_owned()),
+        );
+        let mut sessions_task =
+            tokio::spawn(sessions.run_until(sessions_stop.clone().cancelled_owned()));
+        let mut gateway_task =
+            tokio::spawn(gateway.run_until(gateway_stop.clone().cancelled_owned()));
+        let mut server = tokio::spawn(
+            axum::serve(listener, router)
+                .with_graceful_shutdown(stopping.clone().cancelled_owned())
+                .into_future(),
+        );
+
+        let failure: Option<String> = tokio::select! {
+            () = shutdown => None,
+            r = &mut server => Some(format!("the listener stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
+            r = &mut gateway_task => Some(format!("the gateway stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
+            r = &mut sessions_task => Some(format!("the session service stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
+            r = &mut registry_task => Some(format!("the registry stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
+        };
+        if let Some(failure) = &failure {
+            tracing::error!("{failure}; shutting down");
+        }
+        stopping.cancel();
+        gateway_stop.cancel();
+        wait("gateway", &mut gateway_task).await;
+        sessions_stop.cancel();
+        wait("session service", &mut sessions_task).await;
+        registry_stop.cancel();
+        wait("registry", &mut registry_task).await;
+        // Open event streams (`aip dispatch` following a task) would keep the listener's
+        // graceful shutdown waiting: give them a moment, then drop them.
+        if tokio::time::timeout(Duration::from_secs(2), &mut server)
+            .await
+            .is_err()
+        {
+            server.abort();
+        }
+        if let Err(e) = bus.flush().await {
+            tracing::warn!("could not flush the bus: {e}");
+        }
+        db.close().await;
+        match failure {
+            Some(failure) => bail!(failure),
+            None => Ok(()),
+        }
+    }
+}
+
+fn joined(result: Result<anyhow::Result<()>, tokio::task::JoinError>) -> String {
+    match result {
+        Ok(Ok(())) => "without an error".to_owned(),
+        Ok(Err(e)) => format!("{e:#}"),
+        Err(e) => format!("its task ended: {e}"),
+    }
+}
+
+/// Waits for a service's task (already told to stop), at most [`STOP_WAIT`].
+async fn wait<T>(name: &str, task: &mut tokio::task::JoinHandle<T>) {
+    if task.is_finished() {
+        return;
+    }
+    if tokio::time::timeout(STOP_WAIT, &mut *task).await.is_err() {
+        tracing::warn!("the {name} did not stop within {STOP_WAIT:?}; abandoning it");
+        task.abort();
+    }
+}
+
+/// The lines printed at start: where to connect and what to run next.
+pub fn banner(info: &DevInfo) -> String {
+    let default_ws = format!("ws://{DEFAULT_LISTEN}/ws");
+    let default_rest = format!("http://{DEFAULT_LISTEN}");
+    let device_url = if info.ws_url == default_ws {
+        String::new()
+    } else {
+        format!(" --url {}", info.ws_url)
+    };
+    let rest = if info.rest_url == default_rest {
+        String::new()
+    } else {
+        format!(" --rest {}", info.rest_url)
+    };
+    let ufo = if info.addr.port() == 5000 {
+        "  (UFO clients: their default ws://localhost:5000/ws works)\n"
+    } else {
+        ""
+    };
+    format!(
+        "aip dev: gateway, registry and session service in one process\n\
+         \x20 WebSocket  {ws}\n{ufo}\
+         \x20 REST       {rest_url}/api  (OpenAPI: {rest_url}/openapi.json)\n\
+         \x20 bus        {bus}\n\
+         \x20 database   {database}\n\
+         \x20 data dir   {data_dir}\n\
+         \n\
+         Next, in other terminals:\n\
+         \x20 aip device{device_url} --id demo-pc --capability demo\n\
+         \x20 aip dispatch{rest} --capability demo --tool echo --args '{{\"text\":\"hi\"}}' \"say hi\"\n\
+         \x20 aip tasks list{rest}\n\
+         Ctrl-C stops the broker; agents, tasks, events and results stay in the database.\n",
+        ws = info.ws_url,
+        rest_url = info.rest_url,
+        bus = info.bus,
+        database = info.database,
+        data_dir = info.data_dir.display(),
+    )
+}
+
+/// Runs `aip dev` until Ctrl-C or SIGTERM.
+pub async fn run(args: DevArgs) -> anyhow::Result<()> {
+    aip_runtime::telemetry::init(aip_runtime::telemetry::LogFormat::Pretty, "info");
+    let server = DevServer::build(&args).await?;
+    {
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = write!(out, "{}", banner(server.info()));
+        let _ = out.flush();
+    }
+    let shutdown = async {
+        aip_runtime::shutdown::signal().await;
+        eprintln!("aip dev: stopping (press Ctrl-C again to quit at once)");
+        tokio::spawn(async {
+            aip_runtime::shutdown::signal().await;
+            eprintln!("aip dev: quitting without waiting");
+            std::process::exit(130);
+        });
+    };
+    server.run_until(shutdown).await?;
+    println!("aip dev: stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_banner_says_where_and_what_next() {
+        let info = DevInfo {
+            addr: "127.0.0.1:5000".parse().expect("addr"),
+            ws_url: "ws://127.0.0.1:5000/ws".into(),
+            rest_url: "http://127.0.0.1:5000".into(),
+            data_dir: "/tmp/x".into(),
+            database: "sqlite:///tmp/x/aip.db".into(),
+            bus: "in-process".into(),
+        };
+        let text = banner(&info);
+        assert!(text.contains("ws://127.0.0.1:5000/ws"));
+        assert!(text.contains("ws://localhost:5000/ws"));
+        assert!(text.contains("aip device --id demo-pc --capability demo"));
+        assert!(text.contains(r#"aip dispatch --capability demo --tool echo --args '{"text":"hi"}' "say hi""#));
+        let other = DevInfo {
+            addr: "127.0.0.1:6000".parse().expect("addr"),
+            ws_url: "ws://127.0.0.1:6000/ws".into(),
+            rest_url: "http://127.0.0.1:6000".into(),
+            ..info
+        };
+        let text = banner(&other);
+        assert!(text.contains("aip device --url ws://127.0.0.1:6000/ws --id demo-pc"));
+        assert!(text.contains("aip dispatch --rest http://127.0.0.1:6000 --capability"));
+        assert!(!text.contains("localhost:5000"));
+    }
+
+    #[test]
+    fn unspecified_addresses_are_shown_as_loopback() {
+        assert_eq!(
+            display_addr("0.0.0.0:5000".parse().expect("addr")).to_string(),
+            "127.0.0.1:5000"
+        );
+        assert_eq!(sqlite_url(Path::new("/d")), "sqlite:///d/aip.db");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_listener_serves_every_service() {
+        aip_runtime::install_crypto_provider();
+        let dir = std::env::temp_dir().join(format!("aip-dev-{}", uuid::Uuid::new_v4().simple()));
+        let args = DevArgs {
+            listen: "127.0.0.1:0".parse().expect("addr"),
+            data_dir: dir.clone(),
+            nats_url: None,
+            database_url: None,
+            subject_prefix: "aip".into(),
+            api_keys: vec!["k".into()],
+            credentials_file: None,
+            allow_no_auth: false,
+            config: None,
+        };
+        let server = DevServer::build(&args).await.expect("builds");
+        let base = server.info().rest_url.clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(server.run_until(async {
+            let _ = stop_rx.await;
+        }));
+        let http = reqwest::Client::new();
+        let get = |path: &str, key: Option<&str>| {
+            let mut request = http.get(format!("{base}{path}"));
+            if let Some(key) = key {
+                request = request.header("X-API-Key", key);
+            }
+            async move {
+                let response = request.send().await.expect("request");
+                let status = response.status().as_u16();
+                (status, response.json::<serde_json::Value>().await.unwrap_or_default())
+            }
+        };
+        assert_eq!(get("/healthz", None).await, (200, json!({ "status": "ok" })));
+        let (status, ready) = get("/readyz", None).await;
+        assert_eq!((status, &ready["status"]), (200, &json!("ready")), "{ready}");
+        let (status, clients) = get("/api/clients", Some("k")).await;
+        assert_eq!(status, 200);
+        assert_eq!(clients, json!({ "online_clients": [] }), "registry: UFO's exact shape");
+        assert_eq!(get("/api/health", Some("k")).await.1["status"], "healthy");
+        assert_eq!(get("/api/agents", Some("k")).await, (200, json!([])));
+        assert_eq!(get("/api/agents/nobody", Some("k")).await.0, 404);
+        let (status, tasks) = get("/api/tasks", Some("k")).await;
+        assert_eq!((status, &tasks["tasks"]), (200, &json!([])), "sessions");
+        assert_eq!(get("/api/task_result/none", Some("k")).await.0, 404);
+        let (status, openapi) = get("/openapi.json", None).await;
+        assert_eq!((status, &openapi["openapi"]), (200, &json!("3.1.0")));
+        assert_eq!(get("/api/tasks", None).await.0, 401, "API keys hold on every service");
+        assert_eq!(get("/api/agents", Some("wrong")).await.0, 401);
+        assert_eq!(get("/api/clients", None).await.0, 401);
+        let _ = stop_tx.send(());
+        tokio::time::timeout(Duration::from_secs(30), running)
+            .await
+            .expect("stops in time")
+            .expect("joins")
+            .expect("stops cleanly");
+        assert!(dir.join(DATABASE_FILE).exists(), "the SQLite file is in the data dir");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,201 @@
+//! Per-client credentials: a token (sha256-hashed in the credentials file) presented as
+//! `?token=` (UFO style) or `Authorization: Bearer`; refusals at the handshake (HTTP 403);
+//! ids and roles a credential may register; takeover by the same credential and UFO's
+//! duplicate refusal for another one. Both backends.
+
+mod common;
+
+use aip_gateway::auth::hash_token;
+use aip_testkit::frames::{constellation_register, device_register};
+use aip_testkit::{Backend, Options, Stack, both_backends};
+use common::{Ws, refused_registration, registered, until_online};
+use serde_json::json;
+
+const LAB_TOKEN: &str = "lab-secret-token";
+const OPS_TOKEN: &str = "ops secret/with+odd&chars";
+
+fn credentials() -> String {
+    format!(
+        r#"
+[[credential]]
+name = "lab"
+token_sha256 = "{}"
+client_ids = ["pc-*", "it's"]
+roles = ["device"]
+
+[[credential]]
+name = "ops"
+token_sha256 = "{}"
+client_ids = ["pc-*", "galaxy@*", "it's"]
+roles = ["device", "constellation"]
+"#,
+        hash_token(LAB_TOKEN),
+        hash_token(OPS_TOKEN).to_uppercase(),
+    )
+}
+
+fn with_token(url: &str, token: &str) -> String {
+    format!("{url}?token={}", common::urlencode(token))
+}
+
+async fn tokens_are_checked_at_the_handshake(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            credentials: Some(credentials()),
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let url = stack.ws_url(0);
+
+    let missing = Ws::refused(&url).await;
+    assert_eq!(missing.status, 403);
+    assert_eq!(
+        missing.body,
+        json!({"detail": "a token is required: ws://HOST/ws?token=KEY or Authorization: Bearer KEY", "error_code": "UNAUTHORIZED"})
+    );
+    for bad in [
+        with_token(&url, "wrong"),
+        format!("{url}?token="),
+        with_token(&url, &hash_token(LAB_TOKEN)),
+    ] {
+        let refused = Ws::refused(&bad).await;
+        assert_eq!(refused.status, 403, "{bad}");
+        assert_eq!(
+            refused.body,
+            json!({"detail": "invalid token", "error_code": "UNAUTHORIZED"}),
+            "{bad}"
+        );
+    }
+    let refused = Ws::connect_bearer(&url, "wrong")
+        .await
+        .err()
+        .expect("a wrong bearer token is refused");
+    assert_eq!(refused.status, 403);
+
+    // `?token=` (UFO clients put the key in their URL) and `Authorization: Bearer` both work.
+    let mut pc = registered(
+        &with_token(&url, LAB_TOKEN),
+        &device_register("pc-1", "windows"),
+    )
+    .await;
+    let mut galaxy = match Ws::connect_bearer(&url, OPS_TOKEN).await {
+        Ok(ws) => ws,
+        Err(refusal) => panic!("Bearer refused: {refusal:?}"),
+    };
+    galaxy
+        .send(&constellation_register("galaxy@pc-1", Some("pc-1")))
+        .await;
+    common::assert_registration_answer(&galaxy.recv().await.expect("answer"));
+    pc.heartbeat("pc-1", "device").await;
+    galaxy.heartbeat("galaxy@pc-1", "device").await;
+    until_online(&stack, "galaxy@pc-1").await;
+    stack.stop().await;
+}
+both_backends!(tokens_are_checked_at_the_handshake);
+
+async fn a_credential_registers_only_its_ids_and_roles(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            credentials: Some(credentials()),
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let lab = with_token(&stack.ws_url(0), LAB_TOKEN);
+    let closed = refused_registration(
+        &lab,
+        &device_register("printer", "windows"),
+        "FORBIDDEN",
+        "credential `lab` may not register as device `printer`",
+    )
+    .await;
+    assert_eq!(closed.code, Some(1008), "{closed:?}");
+    refused_registration(
+        &lab,
+        &constellation_register("pc-galaxy", None),
+        "FORBIDDEN",
+        "credential `lab` may not register as constellation `pc-galaxy`",
+    )
+    .await;
+    // The prefix pattern is a prefix, not a glob in the middle.
+    refused_registration(
+        &lab,
+        &device_register("xpc-1", "windows"),
+        "FORBIDDEN",
+        "credential `lab` may not register as device `xpc-1`",
+    )
+    .await;
+    assert!(
+        common::agent(&stack.registry_url(), "printer")
+            .await
+            .is_none()
+    );
+    let mut ok = registered(&lab, &device_register("pc-anything", "linux")).await;
+    ok.heartbeat("pc-anything", "device").await;
+    stack.stop().await;
+}
+both_backends!(a_credential_registers_only_its_ids_and_roles);
+
+async fn same_credential_takes_over_another_is_refused(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            credentials: Some(credentials()),
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let lab = with_token(&stack.ws_url(0), LAB_TOKEN);
+    let ops = with_token(&stack.ws_url(0), OPS_TOKEN);
+
+    for id in ["pc-1", "it's"] {
+        let mut first = registered(&lab, &device_register(id, "windows")).await;
+        until_online(&stack, id).await;
+
+        // Another principal, same live id: UFO's refusal (Python repr quoting), close 1000.
+        let expected = if id.contains('\'') {
+            format!(
+                "client_id \"{id}\" is already registered; duplicate registrations are not allowed"
+            )
+        } else {
+            format!(
+                "client_id '{id}' is already registered; duplicate registrations are not allowed"
+            )
+        };
+        let closed = refused_registration(
+            &ops,
+            &device_register(id, "windows"),
+            "REGISTRATION_FAILED",
+            &expected,
+        )
+        .await;
+        assert_eq!(closed.code, Some(1000), "{closed:?}");
+        first.heartbeat(id, "device").await;
+
+        // The same credential: takes over, the old socket is closed.
+        let mut second = registered(&lab, &device_register(id, "windows")).await;
+        let closed = first.closed().await;
+        assert_eq!(closed.code, Some(1008), "{closed:?}");
+        assert_eq!(
+            closed.reason,
+            "replaced by a newer connection of the same client"
+        );
+        second.heartbeat(id, "device").await;
+        until_online(&stack, id).await;
+        let record = common::agent(&stack.registry_url(), id)
+            .await
+            .expect("registered");
+        assert_eq!(record["status"], "available");
+    }
+    stack.stop().await;
+}
+both_backends!(same_credential_takes_over_another_is_refused);

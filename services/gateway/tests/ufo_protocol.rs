@@ -1,0 +1,334 @@
+//! UFO device and Galaxy constellation clients against the gateway, frames exactly as UFO's
+//! own classes send them (`aip_testkit::frames`): registration, heartbeats, device info,
+//! identity pinning, UFO's registration refusals, and two gateways on one bus. Every server
+//! frame is checked against UFO's `ServerMessage` schema. Each test runs on NATS +
+//! PostgreSQL and on the in-process bus + SQLite.
+
+mod common;
+
+use aip_testkit::frames::{self, constellation_register, device_info_request, device_register};
+use aip_testkit::{Backend, Options, Stack, both_backends};
+use common::{
+    Ws, agent, assert_error, assert_registration_answer, online_clients, refused_registration,
+    registered, until_offline, until_online,
+};
+use serde_json::{Value, json};
+
+fn options() -> Options {
+    Options {
+        sessions: false,
+        ..Options::default()
+    }
+}
+
+/// A device-info request as a device would send it (`client_type` of the caller's choice).
+fn device_info_request_as(id: &str, client_type: Value, target: &str, request_id: &str) -> Value {
+    let mut frame = device_info_request(id, target, request_id);
+    frame["client_type"] = client_type;
+    frame
+}
+
+async fn devices_and_constellations_register_heartbeat_and_get_device_info(backend: Backend) {
+    let stack = Stack::start(backend, options()).await.expect("stack");
+    let url = stack.ws_url(0);
+
+    // A UFO device: the first server frame is UFO's registration answer, exactly.
+    let pc1_register = device_register("pc-1", "windows");
+    let mut pc1 = registered(&url, &pc1_register).await;
+    pc1.heartbeat("pc-1", "device").await;
+    until_online(&stack, "pc-1").await;
+    let mut pc2 = registered(&url, &device_register("pc-2", "linux")).await;
+    until_online(&stack, "pc-2").await;
+
+    // Galaxy: `{task_name}@{device}` bound to pc-1; its heartbeats say `client_type: device`.
+    let mut galaxy = registered(&url, &constellation_register("galaxy@pc-1", Some("pc-1"))).await;
+    galaxy.heartbeat("galaxy@pc-1", "device").await;
+    galaxy.heartbeat("galaxy@pc-1", "constellation").await;
+
+    // Device info of its own target: the system_info exactly as the device sent it.
+    let request_id = "device_info_pc-1_1782464400";
+    galaxy
+        .send(&device_info_request("galaxy@pc-1", "pc-1", request_id))
+        .await;
+    let info = galaxy.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "ok", "{info}");
+    assert_eq!(info["response_id"], request_id, "{info}");
+    assert_eq!(
+        info["result"], pc1_register["metadata"]["system_info"],
+        "system_info as the device sent it"
+    );
+    common::assert_timestamp(&info);
+
+    // Bound to pc-1, asking for pc-2: refused, socket open.
+    galaxy
+        .send(&device_info_request(
+            "galaxy@pc-1",
+            "pc-2",
+            "device_info_pc-2_1",
+        ))
+        .await;
+    galaxy
+        .expect_error(
+            "FORBIDDEN",
+            "Not authorized to request device info for this device",
+        )
+        .await;
+    galaxy.heartbeat("galaxy@pc-1", "device").await;
+
+    // From a device: refused, socket open; `client_type: null` counts as absent.
+    for client_type in [json!("device"), Value::Null] {
+        pc2.send(&device_info_request_as(
+            "pc-2",
+            client_type,
+            "pc-1",
+            "dev-req-1",
+        ))
+        .await;
+        pc2.expect_error(
+            "FORBIDDEN",
+            "DEVICE_INFO_REQUEST is permitted only for constellation clients",
+        )
+        .await;
+    }
+    pc2.heartbeat("pc-2", "device").await;
+
+    // A constellation without target_id may ask about any device; an unknown one is a
+    // device_info_response with status error and the request's id (not a bare ERROR).
+    let mut free = registered(&url, &constellation_register("free@any", None)).await;
+    free.send(&device_info_request("free@any", "pc-2", "req-pc-2"))
+        .await;
+    let info = free.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "ok", "{info}");
+    assert_eq!(info["response_id"], "req-pc-2");
+    assert_eq!(info["result"]["device_id"], "pc-2");
+    assert_eq!(info["result"]["platform"], "linux");
+    for (target, request_id) in [("ghost", "req-ghost"), ("galaxy@pc-1", "req-constellation")] {
+        free.send(&device_info_request("free@any", target, request_id))
+            .await;
+        let info = free.recv_kind("device_info_response").await;
+        assert_eq!(info["status"], "error", "{info}");
+        assert_eq!(info["response_id"], request_id, "{info}");
+        assert_eq!(
+            info["error"],
+            format!("Device {target} not found or no system info available"),
+            "{info}"
+        );
+        assert!(info["result"].is_null(), "{info}");
+        assert_eq!(info["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{info}");
+    }
+
+    // A device that left: its info is no longer served.
+    pc2.close().await;
+    until_offline(&stack, "pc-2").await;
+    free.send(&device_info_request("free@any", "pc-2", "req-gone"))
+        .await;
+    let info = free.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "error", "{info}");
+    assert_eq!(info["response_id"], "req-gone");
+
+    let mut online = online_clients(&stack.registry_url()).await;
+    online.sort();
+    assert_eq!(online, ["free@any", "galaxy@pc-1", "pc-1"]);
+    pc1.heartbeat("pc-1", "device").await;
+    stack.stop().await;
+}
+both_backends!(devices_and_constellations_register_heartbeat_and_get_device_info);
+
+async fn identity_is_pinned_to_the_socket(backend: Backend) {
+    let stack = Stack::start(backend, options()).await.expect("stack");
+    let url = stack.ws_url(0);
+    let mut pc = registered(&url, &device_register("pc-1", "windows")).await;
+    let mut galaxy = registered(&url, &constellation_register("g@pc-1", Some("pc-1"))).await;
+
+    // Another client's id in a later frame: ERROR, the socket stays open.
+    pc.send(&frames::heartbeat("pc-2", "device")).await;
+    pc.expect_error(
+        "FORBIDDEN",
+        "client_id does not match the registered connection",
+    )
+    .await;
+    pc.heartbeat("pc-1", "device").await;
+    galaxy
+        .send(&device_info_request("pc-1", "pc-1", "spoofed"))
+        .await;
+    galaxy
+        .expect_error(
+            "FORBIDDEN",
+            "client_id does not match the registered connection",
+        )
+        .await;
+
+    // Another client_type (on anything but a heartbeat): ERROR, the socket stays open.
+    pc.send(&device_info_request("pc-1", "pc-1", "as-constellation"))
+        .await;
+    pc.expect_error(
+        "FORBIDDEN",
+        "client_type does not match the registered connection",
+    )
+    .await;
+    pc.heartbeat("pc-1", "device").await;
+
+    // An absent or null client_id means the registered one.
+    let mut anonymous = frames::heartbeat("pc-1", "device");
+    anonymous["client_id"] = Value::Null;
+    pc.send(&anonymous).await;
+    common::assert_heartbeat_answer(&pc.recv().await.expect("heartbeat answer"));
+    let mut request = device_info_request("g@pc-1", "pc-1", "no-id");
+    request.as_object_mut().expect("object").remove("client_id");
+    galaxy.send(&request).await;
+    let info = galaxy.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "ok", "{info}");
+    assert_eq!(info["response_id"], "no-id");
+
+    // A second REGISTER on a registered socket: UFO's `Unknown message type`.
+    pc.send(&device_register("pc-1", "windows")).await;
+    pc.expect_error(
+        "PROTOCOL_ERROR",
+        "Unknown message type: register (already registered)",
+    )
+    .await;
+    // A client `error` frame is echoed back as a server ERROR.
+    pc.send(&frames::client(json!({
+        "type": "error", "status": "error", "client_id": "pc-1", "error": "something broke"
+    })))
+    .await;
+    pc.expect_error("PROTOCOL_ERROR", "something broke").await;
+    // A client device_info_response is ignored: the next answer is the heartbeat's.
+    pc.send(&frames::client(json!({
+        "type": "device_info_response", "status": "ok", "client_id": "pc-1"
+    })))
+    .await;
+    pc.heartbeat("pc-1", "device").await;
+    galaxy.heartbeat("g@pc-1", "device").await;
+    stack.stop().await;
+}
+both_backends!(identity_is_pinned_to_the_socket);
+
+async fn ufo_registration_refusals(backend: Backend) {
+    let stack = Stack::start(backend, options()).await.expect("stack");
+    let url = stack.ws_url(0);
+
+    // A constellation whose target is not connected (never seen, or gone).
+    let closed = refused_registration(
+        &url,
+        &constellation_register("g@nobody", Some("nobody")),
+        "REGISTRATION_FAILED",
+        "Target device 'nobody' is not connected",
+    )
+    .await;
+    assert_eq!(closed.code, Some(1000), "{closed:?}");
+    let gone = registered(&url, &device_register("gone", "windows")).await;
+    until_online(&stack, "gone").await;
+    gone.close().await;
+    until_offline(&stack, "gone").await;
+    refused_registration(
+        &url,
+        &constellation_register("g@gone", Some("gone")),
+        "REGISTRATION_FAILED",
+        "Target device 'gone' is not connected",
+    )
+    .await;
+    // A constellation's target must be a device.
+    let _free = registered(&url, &constellation_register("free@x", None)).await;
+    until_online(&stack, "free@x").await;
+    refused_registration(
+        &url,
+        &constellation_register("g@free", Some("free@x")),
+        "REGISTRATION_FAILED",
+        "Target device 'free@x' is not connected",
+    )
+    .await;
+    assert!(agent(&stack.registry_url(), "g@nobody").await.is_none());
+
+    // Without credentials every client is the same (anonymous) principal, so a second live
+    // connection with the same id takes the id over: the old socket is closed.
+    let mut first = registered(&url, &device_register("pc-1", "windows")).await;
+    until_online(&stack, "pc-1").await;
+    let mut second = registered(&url, &device_register("pc-1", "windows")).await;
+    let closed = first.closed().await;
+    assert_eq!(closed.code, Some(1008), "{closed:?}");
+    assert_eq!(
+        closed.reason,
+        "replaced by a newer connection of the same client"
+    );
+    second.heartbeat("pc-1", "device").await;
+    until_online(&stack, "pc-1").await;
+    stack.stop().await;
+}
+both_backends!(ufo_registration_refusals);
+
+async fn constellation_gets_device_info_across_gateways(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            gateways: 2,
+            ..options()
+        },
+    )
+    .await
+    .expect("stack");
+    let register = device_register("far-pc", "linux");
+    let mut device = registered(&stack.ws_url(1), &register).await;
+    until_online(&stack, "far-pc").await;
+    let record = agent(&stack.registry_url(), "far-pc")
+        .await
+        .expect("registered");
+    assert_eq!(record["gateway_id"], stack.gateways[1].id.as_str());
+
+    let mut galaxy = registered(
+        &stack.ws_url(0),
+        &constellation_register("galaxy@far-pc", Some("far-pc")),
+    )
+    .await;
+    galaxy
+        .send(&device_info_request(
+            "galaxy@far-pc",
+            "far-pc",
+            "device_info_far-pc_1",
+        ))
+        .await;
+    let info = galaxy.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "ok", "{info}");
+    assert_eq!(info["response_id"], "device_info_far-pc_1");
+    assert_eq!(info["result"], register["metadata"]["system_info"]);
+
+    // The id is held on gateway 1: gateway 0 takes it over (same anonymous principal) and
+    // gateway 1 closes its socket.
+    let mut again = Ws::connect(&stack.ws_url(0)).await;
+    again.send(&register).await;
+    assert_registration_answer(&again.recv().await.expect("registration answer"));
+    let closed = device.closed().await;
+    assert_eq!(closed.code, Some(1008), "{closed:?}");
+    eventually_on_gateway(&stack, "far-pc", &stack.gateways[0].id).await;
+    again.heartbeat("far-pc", "device").await;
+    galaxy.heartbeat("galaxy@far-pc", "device").await;
+    stack.stop().await;
+}
+both_backends!(constellation_gets_device_info_across_gateways);
+
+async fn eventually_on_gateway(stack: &Stack, id: &str, gateway: &str) {
+    let base = stack.registry_url();
+    aip_testkit::eventually(&format!("{id} held by {gateway}"), || {
+        let base = base.clone();
+        async move {
+            let record = agent(&base, id).await?;
+            (record["gateway_id"] == gateway && record["status"] == "available").then_some(())
+        }
+    })
+    .await
+    .expect("moved");
+}
+
+#[test]
+fn error_frames_and_answers_are_valid_ufo_server_messages() {
+    // The schema check used on every received frame can fail.
+    let bad = json!({"type": "command", "status": "continue", "actions": [{"tool_name": "x", "tool_type": "bogus"}]});
+    assert!(std::panic::catch_unwind(|| common::assert_ufo_server_message(&bad)).is_err());
+    let frame = serde_json::to_value(proto_schemas::server::error(
+        proto_schemas::ErrorCode::Forbidden,
+        "x",
+    ))
+    .expect("json");
+    assert_error(&frame, "FORBIDDEN", "x");
+    common::assert_ufo_server_message(&frame);
+}
