@@ -44,6 +44,10 @@ pub struct TaskRequest {
     /// Scripted planner: the command rounds to send, in order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<Vec<Vec<Command>>>,
+    /// The requester drives the task itself (no planner): it sends commands with
+    /// `POST /api/tasks/{id}/commands` and ends the task with `POST /api/tasks/{id}/complete`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub driver: bool,
     /// Fail with TASK_TIMEOUT after this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,

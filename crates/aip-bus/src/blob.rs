@@ -46,12 +46,11 @@ impl BlobStore {
         }
     }
 
-    /// The stream to create at start-up (kept one hour, 4 GiB at most).
+    /// The stream to create at start-up (chunks kept one hour).
     pub fn stream_spec(&self) -> crate::StreamSpec {
         let mut spec =
             crate::StreamSpec::new(self.stream.clone(), vec![format!("{}.>", self.subject)]);
         spec.max_age = std::time::Duration::from_secs(3600);
-        spec.max_bytes = 4 << 30;
         spec
     }
 

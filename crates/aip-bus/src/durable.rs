@@ -20,20 +20,22 @@ pub struct StreamSpec {
     pub subjects: Vec<String>,
     /// Messages older than this are discarded.
     pub max_age: Duration,
-    /// Size cap in bytes (-1: none); publishing fails when full instead of losing old messages.
+    /// Size cap in bytes (-1: none, the age limit bounds it). A cap is reserved on the NATS
+    /// server's storage when the stream is created; when full, publishing fails instead of
+    /// losing old messages.
     pub max_bytes: i64,
     /// Window in which a repeated `Nats-Msg-Id` is dropped as a duplicate.
     pub duplicate_window: Duration,
 }
 
 impl StreamSpec {
-    /// A stream with a one-day age limit, a 1 GiB cap and a two-minute de-duplication window.
+    /// A stream with a one-day age limit, no size cap and a two-minute de-duplication window.
     pub fn new(name: impl Into<String>, subjects: Vec<String>) -> Self {
         StreamSpec {
             name: name.into(),
             subjects,
             max_age: Duration::from_secs(24 * 3600),
-            max_bytes: 1 << 30,
+            max_bytes: -1,
             duplicate_window: Duration::from_secs(120),
         }
     }

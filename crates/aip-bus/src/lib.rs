@@ -105,6 +105,9 @@ pub trait Bus: Send + Sync + 'static {
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>>;
 
+    /// Deletes a durable stream and everything in it (tests and administration).
+    fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>>;
+
     /// Stores a body in a blob stream in chunks of at most `chunk` bytes, under `subject`.
     fn put_blob(
         &self,

@@ -377,6 +377,11 @@ impl Bus for LocalBus {
         .boxed()
     }
 
+    fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>> {
+        write(&self.inner.streams).remove(&name);
+        futures::future::ready(Ok(())).boxed()
+    }
+
     fn put_blob(
         &self,
         stream: String,

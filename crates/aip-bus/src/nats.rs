@@ -293,6 +293,17 @@ impl Bus for NatsBus {
         .boxed()
     }
 
+    fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>> {
+        async move {
+            match self.jetstream.delete_stream(&name).await {
+                Ok(_) => Ok(()),
+                Err(e) if e.to_string().contains("not found") => Ok(()),
+                Err(e) => Err(BusError::Nats { operation: "delete stream", subject: name, source: Box::new(e) }),
+            }
+        }
+        .boxed()
+    }
+
     fn put_blob(
         &self,
         stream: String,

@@ -300,6 +300,7 @@ async fn durable_streams_deduplicate_and_redeliver(bus: SharedBus) {
             .is_err(),
         "acked messages are not delivered again"
     );
+    bus.delete_stream(stream).await.expect("delete stream");
 }
 both!(durable_streams_deduplicate_and_redeliver);
 

@@ -327,6 +327,12 @@ impl Stack {
             let _ = stop.send(());
             let _ = tokio::time::timeout(WAIT, handle).await;
         }
+        let subjects = proto_schemas::Subjects::new(&self.prefix).expect("test prefixes are valid");
+        for stream in [subjects.frames_stream(), subjects.blobs_stream()] {
+            if let Err(e) = self.bus.delete_stream(stream).await {
+                tracing::warn!("test stream not deleted: {e}");
+            }
+        }
         if let Some(path) = self.credentials_file.take() {
             let _ = std::fs::remove_file(path);
         }

@@ -402,24 +402,13 @@ mod tests {
     #[test]
     fn dispatch_needs_a_target_or_a_capability() {
         let err = try_parse_from(["aip", "dispatch", "x"]).expect_err("no placement");
-        assert_eq!(
-            err.kind(),
-            clap::error::ErrorKind::MissingRequiredArgument
-        );
+        assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
     }
 
     #[test]
     fn args_without_a_tool_are_refused() {
         let err = try_parse_from([
-            "aip",
-            "dispatch",
-            "--target",
-            "pc",
-            "--args",
-            "{}",
-            "--tool",
-            "echo",
-            "x",
+            "aip", "dispatch", "--target", "pc", "--args", "{}", "--tool", "echo", "x",
         ])
         .expect_err("--args before any --tool");
         assert!(err.to_string().contains("--args"), "{err}");

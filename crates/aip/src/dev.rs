@@ -170,7 +170,10 @@ impl DevServer {
         let addr = listener.local_addr().context("reading the bound address")?;
 
         std::fs::create_dir_all(&args.data_dir).with_context(|| {
-            format!("cannot create the data directory {}", args.data_dir.display())
+            format!(
+                "cannot create the data directory {}",
+                args.data_dir.display()
+            )
         })?;
         let data_dir = std::fs::canonicalize(&args.data_dir)
             .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
@@ -232,7 +235,12 @@ impl DevServer {
                 db: db.clone(),
                 stopping: stopping.clone(),
             });
-        let router = router(gateway.router(), registry.router(), sessions.router(), health);
+        let router = router(
+            gateway.router(),
+            registry.router(),
+            sessions.router(),
+            health,
+        );
         let shown = display_addr(addr);
         let info = DevInfo {
             addr,
@@ -276,9 +284,8 @@ impl DevServer {
         let gateway_stop = CancellationToken::new();
         let sessions_stop = CancellationToken::new();
         let registry_stop = CancellationToken::new();
-        let mut registry_task = tokio::spawn(
-            registry.run_until_stopped(registry_stop.clone().cancelled_owned()),
-        );
+        let mut registry_task =
+            tokio::spawn(registry.run_until_stopped(registry_stop.clone().cancelled_owned()));
         let mut sessions_task =
             tokio::spawn(sessions.run_until(sessions_stop.clone().cancelled_owned()));
         let mut gateway_task =
@@ -426,7 +433,9 @@ mod tests {
         assert!(text.contains("ws://127.0.0.1:5000/ws"));
         assert!(text.contains("ws://localhost:5000/ws"));
         assert!(text.contains("aip device --id demo-pc --capability demo"));
-        assert!(text.contains(r#"aip dispatch --capability demo --tool echo --args '{"text":"hi"}' "say hi""#));
+        assert!(text.contains(
+            r#"aip dispatch --capability demo --tool echo --args '{"text":"hi"}' "say hi""#
+        ));
         let other = DevInfo {
             addr: "127.0.0.1:6000".parse().expect("addr"),
             ws_url: "ws://127.0.0.1:6000/ws".into(),
@@ -478,15 +487,32 @@ mod tests {
             async move {
                 let response = request.send().await.expect("request");
                 let status = response.status().as_u16();
-                (status, response.json::<serde_json::Value>().await.unwrap_or_default())
+                (
+                    status,
+                    response
+                        .json::<serde_json::Value>()
+                        .await
+                        .unwrap_or_default(),
+                )
             }
         };
-        assert_eq!(get("/healthz", None).await, (200, json!({ "status": "ok" })));
+        assert_eq!(
+            get("/healthz", None).await,
+            (200, json!({ "status": "ok" }))
+        );
         let (status, ready) = get("/readyz", None).await;
-        assert_eq!((status, &ready["status"]), (200, &json!("ready")), "{ready}");
+        assert_eq!(
+            (status, &ready["status"]),
+            (200, &json!("ready")),
+            "{ready}"
+        );
         let (status, clients) = get("/api/clients", Some("k")).await;
         assert_eq!(status, 200);
-        assert_eq!(clients, json!({ "online_clients": [] }), "registry: UFO's exact shape");
+        assert_eq!(
+            clients,
+            json!({ "online_clients": [] }),
+            "registry: UFO's exact shape"
+        );
         assert_eq!(get("/api/health", Some("k")).await.1["status"], "healthy");
         assert_eq!(get("/api/agents", Some("k")).await, (200, json!([])));
         assert_eq!(get("/api/agents/nobody", Some("k")).await.0, 404);
@@ -495,7 +521,11 @@ mod tests {
         assert_eq!(get("/api/task_result/none", Some("k")).await.0, 404);
         let (status, openapi) = get("/openapi.json", None).await;
         assert_eq!((status, &openapi["openapi"]), (200, &json!("3.1.0")));
-        assert_eq!(get("/api/tasks", None).await.0, 401, "API keys hold on every service");
+        assert_eq!(
+            get("/api/tasks", None).await.0,
+            401,
+            "API keys hold on every service"
+        );
         assert_eq!(get("/api/agents", Some("wrong")).await.0, 401);
         assert_eq!(get("/api/clients", None).await.0, 401);
         let _ = stop_tx.send(());
@@ -504,7 +534,10 @@ mod tests {
             .expect("stops in time")
             .expect("joins")
             .expect("stops cleanly");
-        assert!(dir.join(DATABASE_FILE).exists(), "the SQLite file is in the data dir");
+        assert!(
+            dir.join(DATABASE_FILE).exists(),
+            "the SQLite file is in the data dir"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -140,7 +140,12 @@ fn step_number(data: &Value) -> String {
 /// One line saying what a task event means.
 pub fn describe_event(event: &TaskEvent, tools: &ToolNames) -> String {
     let data = event.data.clone().unwrap_or(Value::Null);
-    let text = |key: &str| data.get(key).and_then(Value::as_str).unwrap_or("?").to_owned();
+    let text = |key: &str| {
+        data.get(key)
+            .and_then(Value::as_str)
+            .unwrap_or("?")
+            .to_owned()
+    };
     match event.kind.as_str() {
         "submitted" => format!(
             "submitted (executor {}, planner {})",
@@ -247,7 +252,10 @@ pub fn task_summary(task: &TaskView, tools: &ToolNames) -> String {
 /// The result of a task: one line per command result for the step-list shape.
 pub fn result_lines(result: &Value, tools: &ToolNames) -> String {
     let steps = result.as_array().filter(|steps| {
-        !steps.is_empty() && steps.iter().all(|s| s.get("results").is_some_and(Value::is_array))
+        !steps.is_empty()
+            && steps
+                .iter()
+                .all(|s| s.get("results").is_some_and(Value::is_array))
     });
     let Some(steps) = steps else {
         let pretty = serde_json::to_string_pretty(result).unwrap_or_default();
@@ -315,7 +323,10 @@ mod tests {
             json!({"step": 0, "actions": [{"tool_name": "echo", "tool_type": "action", "call_id": "c1", "parameters": {"text": "hi"}}]}),
         );
         tools.learn(&sent);
-        assert_eq!(describe_event(&sent, &tools), r#"step 1: sent echo {"text":"hi"}"#);
+        assert_eq!(
+            describe_event(&sent, &tools),
+            r#"step 1: sent echo {"text":"hi"}"#
+        );
         let got = event(
             "results_received",
             TaskState::Working,
@@ -327,10 +338,16 @@ mod tests {
             TaskState::Failed,
             json!({"error": "no planner", "error_code": "UNAVAILABLE"}),
         );
-        assert_eq!(describe_event(&failed, &tools), "failed: no planner (UNAVAILABLE)");
+        assert_eq!(
+            describe_event(&failed, &tools),
+            "failed: no planner (UNAVAILABLE)"
+        );
         let result = json!([{"step": 0, "results": [{"status": "success", "call_id": "c1", "result": {"text": "hi"}}]}]);
         let lines = result_lines(&result, &tools);
-        assert!(lines.contains("echo") && lines.contains(r#"{"text":"hi"}"#), "{lines}");
+        assert!(
+            lines.contains("echo") && lines.contains(r#"{"text":"hi"}"#),
+            "{lines}"
+        );
         assert!(result_lines(&json!({"answer": 42}), &tools).contains("\"answer\": 42"));
     }
 }

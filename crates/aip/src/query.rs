@@ -186,8 +186,10 @@ pub async fn agents(command: AgentsCommand) -> anyhow::Result<()> {
             rest,
         } => {
             let broker = Broker::new(&rest)?;
-            let mut query: Vec<(&str, String)> =
-                capabilities.into_iter().map(|c| ("capability", c)).collect();
+            let mut query: Vec<(&str, String)> = capabilities
+                .into_iter()
+                .map(|c| ("capability", c))
+                .collect();
             query.extend(status.map(|s| ("status", s)));
             let agents: Vec<AgentRecord> = broker.get("/api/agents", &query).await?;
             if json {

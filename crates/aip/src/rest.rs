@@ -176,7 +176,10 @@ impl Broker {
             status,
             text: format!(
                 "{e}: {}",
-                String::from_utf8_lossy(&bytes).chars().take(300).collect::<String>()
+                String::from_utf8_lossy(&bytes)
+                    .chars()
+                    .take(300)
+                    .collect::<String>()
             ),
         })
     }
@@ -210,7 +213,10 @@ impl Broker {
         after: i64,
     ) -> Result<reqwest::Response, RestError> {
         let url = with_query(
-            &self.url(&format!("/api/tasks/{}/events/stream", path_segment(task_id))),
+            &self.url(&format!(
+                "/api/tasks/{}/events/stream",
+                path_segment(task_id)
+            )),
             &[("after", after.to_string())],
         );
         let request = self.http.get(&url).header("Accept", "text/event-stream");
@@ -262,7 +268,10 @@ mod tests {
     fn queries_are_encoded() {
         assert_eq!(with_query("http://h/x", &[]), "http://h/x");
         assert_eq!(
-            with_query("http://h/x", &[("state", "a b".into()), ("limit", "5".into())]),
+            with_query(
+                "http://h/x",
+                &[("state", "a b".into()), ("limit", "5".into())]
+            ),
             "http://h/x?state=a%20b&limit=5"
         );
     }

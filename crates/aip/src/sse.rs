@@ -32,10 +32,7 @@ impl SseParser {
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
         self.buffer.extend_from_slice(chunk);
         let mut events = Vec::new();
-        loop {
-            let Some(end) = self.buffer.iter().position(|b| *b == b'\n' || *b == b'\r') else {
-                break;
-            };
+        while let Some(end) = self.buffer.iter().position(|b| *b == b'\n' || *b == b'\r') {
             // A `\r` at the very end may be the first half of `\r\n`: wait for more.
             if self.buffer[end] == b'\r' && end + 1 == self.buffer.len() {
                 break;
@@ -199,6 +196,10 @@ mod tests {
     fn an_event_without_data_is_not_dispatched() {
         let mut parser = SseParser::default();
         assert!(parser.feed(b"event: ping\n\n").is_empty());
-        assert_eq!(parser.feed(b"data\n\n").len(), 1, "`data` alone is an empty data line");
+        assert_eq!(
+            parser.feed(b"data\n\n").len(),
+            1,
+            "`data` alone is an empty data line"
+        );
     }
 }

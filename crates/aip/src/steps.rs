@@ -44,7 +44,9 @@ pub fn order(
             .find(|(i, _)| *i < at)
             .map(|(_, source)| source);
         match owner {
-            Some(StepSource::Tool { args: slot @ None, .. }) => *slot = Some(json),
+            Some(StepSource::Tool {
+                args: slot @ None, ..
+            }) => *slot = Some(json),
             Some(StepSource::Tool { name, .. }) => {
                 return Err(UsageError(format!(
                     "--args given twice for --tool {name}; give each --tool at most one --args"
@@ -70,14 +72,16 @@ pub fn build(sources: &[StepSource]) -> Result<Option<Vec<Vec<Command>>>, UsageE
         .iter()
         .enumerate()
         .map(|(i, source)| match source {
-            StepSource::Json(text) => parse_step(text)
-                .map_err(|e| UsageError(format!("--step #{}: {e}", i + 1))),
+            StepSource::Json(text) => {
+                parse_step(text).map_err(|e| UsageError(format!("--step #{}: {e}", i + 1)))
+            }
             StepSource::Tool { name, args } => {
                 let parameters = match args {
                     None => None,
-                    Some(text) => Some(parse_object(text).map_err(|e| {
-                        UsageError(format!("--args of --tool {name}: {e}"))
-                    })?),
+                    Some(text) => Some(
+                        parse_object(text)
+                            .map_err(|e| UsageError(format!("--args of --tool {name}: {e}")))?,
+                    ),
                 };
                 Ok(vec![Command {
                     tool_name: name.clone(),
@@ -117,7 +121,9 @@ fn parse_step(text: &str) -> Result<Vec<Command>, String> {
 pub fn parse_object(text: &str) -> Result<JsonObject, String> {
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(format!("expected a JSON object such as {{\"text\":\"hi\"}}, got {text}")),
+        Ok(_) => Err(format!(
+            "expected a JSON object such as {{\"text\":\"hi\"}}, got {text}"
+        )),
         Err(e) => Err(format!("not valid JSON ({e}): {text}")),
     }
 }
@@ -160,8 +166,10 @@ mod tests {
         }])
         .expect_err("invalid");
         assert!(err.0.contains("--args of --tool echo"), "{err}");
-        let err = build(&[StepSource::Json(r#"[{"tool_name":"x","tool_type":"click"}]"#.into())])
-            .expect_err("bad tool_type");
+        let err = build(&[StepSource::Json(
+            r#"[{"tool_name":"x","tool_type":"click"}]"#.into(),
+        )])
+        .expect_err("bad tool_type");
         assert!(err.0.starts_with("--step #1"), "{err}");
         let err = build(&[StepSource::Json("[]".into())]).expect_err("empty");
         assert!(err.0.contains("at least one"), "{err}");
@@ -189,7 +197,14 @@ mod tests {
                 },
             ]
         );
-        assert!(order(vec![], vec![(1, "a".into())], vec![(2, "{}".into()), (3, "{}".into())]).is_err());
+        assert!(
+            order(
+                vec![],
+                vec![(1, "a".into())],
+                vec![(2, "{}".into()), (3, "{}".into())]
+            )
+            .is_err()
+        );
         assert!(order(vec![(1, "[]".into())], vec![], vec![(2, "{}".into())]).is_err());
     }
 }

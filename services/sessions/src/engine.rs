@@ -68,6 +68,8 @@ pub enum Plan {
     Scripted(Vec<Vec<Command>>),
     /// The remote planner decides each step.
     Remote,
+    /// The requester sends commands itself (REST) and ends the task.
+    Driver,
 }
 
 /// Where a task should run.
@@ -414,6 +416,7 @@ impl Engine {
         let (planner, steps) = match &new.plan {
             Plan::Scripted(steps) => ("scripted", Some(Json(steps.clone()))),
             Plan::Remote => ("remote", None),
+            Plan::Driver => ("driver", None),
         };
         let capabilities = match &new.placement {
             Placement::Capabilities(c) => c.clone(),
@@ -619,7 +622,7 @@ impl Engine {
             task.awaiting_echo = true;
             let frame = server::dispatch_task(&task.request, &task.task_name, &task.task_id);
             self.queue(tx, effects, &executor, &frame).await?;
-        } else {
+        } else if task.planner != "driver" {
             task.needs_plan = true;
             effects.plan.push(task.task_id.clone());
         }
@@ -648,43 +651,8 @@ impl Engine {
         }
         let mut effects = Effects::default();
         match decision {
-            PlanStep::Commands {
-                actions,
-                agent_name,
-                process_name,
-                root_name,
-            } => {
-                let executor = current.executor_id.clone().unwrap_or_default();
-                let platform = current
-                    .executor_platform
-                    .as_deref()
-                    .and_then(Platform::from_wire)
-                    .unwrap_or(Platform::Windows);
-                let target = CommandTarget {
-                    session_id: current.task_id.clone(),
-                    task_name: Some(current.task_name.clone()),
-                    agent_name: agent_name
-                        .unwrap_or_else(|| platform.default_agent_name().to_owned()),
-                    process_name,
-                    root_name,
-                };
-                let response_id = server::new_id();
-                let frame =
-                    server::command(&target, actions, TaskStatus::Continue, response_id.clone());
-                current.pending_response_id = Some(response_id.clone());
-                current.needs_plan = false;
-                current.state = TaskState::Working.as_str().to_owned();
-                let now = now_ms();
-                current.updated_ms = now;
-                let command_deadline = now
-                    + i64::try_from(self.settings.command_timeout_secs * 1000)
-                        .unwrap_or(i64::MAX / 2);
-                current.deadline_ms = current.task_deadline_ms.min(command_deadline);
-                let data = json!({ "step": current.step, "response_id": response_id, "actions": frame.actions });
-                tx.append_event(&mut current, "command_sent", Some(data))
-                    .await?;
-                tx.update_task(&current).await?;
-                self.queue(&mut tx, &mut effects, &executor, &frame).await?;
+            step @ PlanStep::Commands { .. } => {
+                self.apply_commands(&mut tx, &mut effects, &mut current, step).await?;
             }
             PlanStep::Complete { result } => {
                 let result = result.unwrap_or_else(|| Value::Array(current.history.0.clone()));
@@ -718,6 +686,43 @@ impl Engine {
         tx.commit().await?;
         self.finish_effects(effects).await;
         Ok(())
+    }
+
+    /// Sends one step's commands to the executor: a `command` frame with a fresh
+    /// `response_id`, now pending; the command's deadline starts. Returns the `response_id`.
+    async fn apply_commands(
+        &self,
+        tx: &mut Tx,
+        effects: &mut Effects,
+        task: &mut TaskRow,
+        step: PlanStep,
+    ) -> Result<String, StoreError> {
+        let PlanStep::Commands { actions, agent_name, process_name, root_name } = step else {
+            return Ok(String::new());
+        };
+        let executor = task.executor_id.clone().unwrap_or_default();
+        let platform = task.executor_platform.as_deref().and_then(Platform::from_wire).unwrap_or(Platform::Windows);
+        let target = CommandTarget {
+            session_id: task.task_id.clone(),
+            task_name: Some(task.task_name.clone()),
+            agent_name: agent_name.unwrap_or_else(|| platform.default_agent_name().to_owned()),
+            process_name,
+            root_name,
+        };
+        let response_id = server::new_id();
+        let frame = server::command(&target, actions, TaskStatus::Continue, response_id.clone());
+        task.pending_response_id = Some(response_id.clone());
+        task.needs_plan = false;
+        task.state = TaskState::Working.as_str().to_owned();
+        let now = now_ms();
+        task.updated_ms = now;
+        let command_deadline = now + i64::try_from(self.settings.command_timeout_secs * 1000).unwrap_or(i64::MAX / 2);
+        task.deadline_ms = task.task_deadline_ms.min(command_deadline);
+        let data = json!({ "step": task.step, "response_id": response_id, "actions": frame.actions });
+        tx.append_event(task, "command_sent", Some(data)).await?;
+        tx.update_task(task).await?;
+        self.queue(tx, effects, &executor, &frame).await?;
+        Ok(response_id)
     }
 
     async fn decide(&self, task: &TaskRow) -> PlanStep {
@@ -838,18 +843,15 @@ impl Engine {
         task.history.0.push(entry.clone());
         task.step += 1;
         task.pending_response_id = None;
-        task.needs_plan = true;
+        task.needs_plan = task.planner != "driver";
+        task.state = TaskState::Working.as_str().to_owned();
         task.deadline_ms = task.task_deadline_ms;
         task.updated_ms = now_ms();
-        tx.append_event(&mut task, "results_received", Some(entry))
-            .await?;
+        tx.append_event(&mut task, "results_received", Some(entry)).await?;
         tx.update_task(&task).await?;
         tx.commit().await?;
-        self.finish_effects(Effects {
-            published: Vec::new(),
-            plan: vec![task.task_id.clone()],
-        })
-        .await;
+        let plan = if task.needs_plan { vec![task.task_id.clone()] } else { Vec::new() };
+        self.finish_effects(Effects { published: Vec::new(), plan }).await;
         Ok(())
     }
 
@@ -973,6 +975,61 @@ impl Engine {
         tx.commit().await?;
         self.finish_effects(effects).await;
         Ok(())
+    }
+
+    /// Sends commands into a requester-driven task (REST); returns the command's `response_id`
+    /// and the sequence number of its `command_sent` event. One command at a time.
+    pub async fn send_commands(&self, task_id: &str, step: PlanStep) -> Result<(String, i64), EngineError> {
+        let mut tx = self.store.begin().await?;
+        let Some(mut task) = tx.lock_task(task_id).await? else {
+            return Err(EngineError::refused(ErrorCode::NotFound, format!("no task '{task_id}'")));
+        };
+        if task.planner != "driver" {
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' is driven by its {} planner; submit it with \"driver\": true to send commands", task.planner),
+            ));
+        }
+        if task.state().is_terminal() {
+            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' has already ended ({})", task.state)));
+        }
+        if task.state() == TaskState::Submitted {
+            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' waits for its executor to be free")));
+        }
+        if let Some(pending) = &task.pending_response_id {
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' still waits for the results of command `{pending}`"),
+            ));
+        }
+        let mut effects = Effects::default();
+        let response_id = self.apply_commands(&mut tx, &mut effects, &mut task, step).await?;
+        let seq = task.next_seq - 1;
+        tx.commit().await?;
+        self.finish_effects(effects).await;
+        Ok((response_id, seq))
+    }
+
+    /// Ends a requester-driven task (REST).
+    pub async fn complete(&self, task_id: &str, result: Option<Value>, error: Option<String>) -> Result<TaskRow, EngineError> {
+        let mut tx = self.store.begin().await?;
+        let Some(mut task) = tx.lock_task(task_id).await? else {
+            return Err(EngineError::refused(ErrorCode::NotFound, format!("no task '{task_id}'")));
+        };
+        if task.planner != "driver" {
+            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' is ended by its planner, not over REST")));
+        }
+        if task.state().is_terminal() {
+            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' has already ended ({})", task.state)));
+        }
+        let mut effects = Effects::default();
+        match error {
+            None => self.finish(&mut tx, &mut effects, &mut task, TaskState::Completed, result, None).await?,
+            Some(e) => self.finish(&mut tx, &mut effects, &mut task, TaskState::Failed, result, Some((ErrorCode::CommandFailed, e))).await?,
+        }
+        tx.commit().await?;
+        self.finish_effects(effects).await;
+        Ok(task)
     }
 
     /// Cancels a live task (REST); the executor and a client requester are told.

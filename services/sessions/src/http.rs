@@ -109,6 +109,8 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
         .route("/api/tasks/{id}/events", get(task_events))
         .route("/api/tasks/{id}/events/stream", get(task_event_stream))
         .route("/api/tasks/{id}/cancel", post(cancel_task))
+        .route("/api/tasks/{id}/commands", post(send_commands))
+        .route("/api/tasks/{id}/complete", post(complete_task))
         .route("/api/dispatch", post(ufo_dispatch))
         .route("/api/task_result/{task_name}", get(ufo_task_result))
         .layer(middleware::from_fn_with_state(keys, api_keys::require));
@@ -304,6 +306,82 @@ async fn cancel_task(
     Ok(Json(task.view()))
 }
 
+/// Body of `POST /api/tasks/{id}/commands`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CommandsBody {
+    actions: Vec<proto_schemas::Command>,
+    agent_name: Option<String>,
+    process_name: Option<String>,
+    root_name: Option<String>,
+    /// How long to wait for the results (default 60 s, at most 600 s).
+    timeout_secs: Option<u64>,
+}
+
+/// A tool call on the executor of a requester-driven task: sends the commands and waits for
+/// their results (504 TASK_TIMEOUT if they do not come in time; the command stays pending).
+async fn send_commands(
+    State(engine): State<Engine>,
+    Path(id): Path<String>,
+    Body(body): Body<CommandsBody>,
+) -> Result<Json<Value>, ApiError> {
+    if body.actions.is_empty() {
+        return Err(ApiError::new(ErrorCode::InvalidRequest, "`actions` must not be empty"));
+    }
+    let wait = Duration::from_secs(body.timeout_secs.unwrap_or(60).clamp(1, 600));
+    let step = proto_schemas::sessions::PlanStep::Commands {
+        actions: body.actions,
+        agent_name: body.agent_name,
+        process_name: body.process_name,
+        root_name: body.root_name,
+    };
+    let (response_id, sent_seq) = engine.send_commands(&id, step).await?;
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut after = sent_seq;
+    loop {
+        for event in engine.store.events(&id, after, 100).await? {
+            after = event.seq;
+            let answers = event.data.as_ref().and_then(|d| d.get("response_id")).and_then(Value::as_str);
+            if event.kind == "results_received" && answers == Some(response_id.as_str()) {
+                let data = event.data.unwrap_or_default();
+                return Ok(Json(json!({ "response_id": response_id, "status": data["status"], "results": data["results"] })));
+            }
+            if event.state.is_terminal() {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!("task '{id}' ended ({}) before the results came", event.state.as_str()),
+                ));
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ApiError::new(
+                ErrorCode::TaskTimeout,
+                format!("no results for command `{response_id}` within {} s; it is still pending", wait.as_secs()),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Body of `POST /api/tasks/{id}/complete`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompleteBody {
+    result: Option<Value>,
+    /// Set to end the task as failed, with this reason.
+    error: Option<String>,
+}
+
+/// Ends a requester-driven task.
+async fn complete_task(
+    State(engine): State<Engine>,
+    Path(id): Path<String>,
+    Body(body): Body<CompleteBody>,
+) -> Result<Json<TaskView>, ApiError> {
+    let task = engine.complete(&id, body.result, body.error).await?;
+    Ok(Json(task.view()))
+}
+
 /// UFO's dispatch: send a task to an online device, which echoes it and is then driven.
 async fn ufo_dispatch(
     State(engine): State<Engine>,
@@ -411,6 +489,8 @@ pub fn openapi() -> Value {
             ("TaskView", g.subschema_for::<TaskView>().to_value()),
             ("TaskEvent", g.subschema_for::<TaskEvent>().to_value()),
             ("ErrorBody", g.subschema_for::<ErrorBody>().to_value()),
+            ("Command", g.subschema_for::<proto_schemas::Command>().to_value()),
+            ("Result", g.subschema_for::<proto_schemas::ActionResult>().to_value()),
         ]
     });
     let error = |description: &str| json!({ "description": description, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ErrorBody" } } } });
@@ -501,11 +581,40 @@ pub fn openapi() -> Value {
             "/api/tasks/{id}/cancel": {
                 "post": {
                     "summary": "Cancel a live task; its executor (and a client requester) get task_end",
-                    "parameters": [id_param],
+                    "parameters": [id_param.clone()],
                     "requestBody": { "required": false, "content": { "application/json": { "schema": {
                         "type": "object", "properties": { "reason": { "type": "string" } } } } } },
-                    "responses": { "200": ok("the canceled task", task_ref), "401": error("missing or invalid API key"),
+                    "responses": { "200": ok("the canceled task", task_ref.clone()), "401": error("missing or invalid API key"),
                                    "404": error("no such task"), "409": error("the task has already ended") }
+                }
+            },
+            "/api/tasks/{id}/commands": {
+                "post": {
+                    "summary": "A tool call on the executor of a requester-driven task (submitted with \"driver\": true): sends the commands and waits for their results",
+                    "parameters": [id_param.clone()],
+                    "requestBody": { "required": true, "content": { "application/json": { "schema": {
+                        "type": "object", "required": ["actions"], "additionalProperties": false, "properties": {
+                            "actions": { "type": "array", "items": { "$ref": "#/components/schemas/Command" }, "minItems": 1 },
+                            "agent_name": { "type": "string" }, "process_name": { "type": "string" }, "root_name": { "type": "string" },
+                            "timeout_secs": { "type": "integer", "minimum": 1, "maximum": 600, "default": 60 } } } } } },
+                    "responses": {
+                        "200": ok("the results, one per command, in order", json!({ "type": "object", "required": ["response_id", "results"], "properties": {
+                            "response_id": { "type": "string" }, "status": { "type": "string" },
+                            "results": { "type": "array", "items": { "$ref": "#/components/schemas/Result" } } } })),
+                        "400": error("no actions"), "401": error("missing or invalid API key"), "404": error("no such task"),
+                        "409": error("not a driver task, not running, or a command is still pending"),
+                        "504": error("no results in time (TASK_TIMEOUT); the command stays pending")
+                    }
+                }
+            },
+            "/api/tasks/{id}/complete": {
+                "post": {
+                    "summary": "End a requester-driven task, completed (or failed with `error`)",
+                    "parameters": [id_param.clone()],
+                    "requestBody": { "required": true, "content": { "application/json": { "schema": {
+                        "type": "object", "additionalProperties": false, "properties": { "result": {}, "error": { "type": "string" } } } } } },
+                    "responses": { "200": ok("the ended task", task_ref.clone()), "401": error("missing or invalid API key"),
+                                   "404": error("no such task"), "409": error("not a driver task, or already ended") }
                 }
             },
             "/api/dispatch": {

@@ -328,9 +328,11 @@ pub fn new_task_from_request(
         data: request.data,
         requester: requester(request.originating_agent_id),
         placement,
-        plan: match request.steps {
-            Some(steps) => Plan::Scripted(steps),
-            None => Plan::Remote,
+        plan: match (request.steps, request.driver) {
+            (Some(_), true) => return Err(invalid("give `steps` or `driver: true`, not both".into())),
+            (Some(steps), false) => Plan::Scripted(steps),
+            (None, true) => Plan::Driver,
+            (None, false) => Plan::Remote,
         },
         priority: request.priority.unwrap_or(0),
         callback_url: request.callback_url,

@@ -374,3 +374,49 @@ async fn remote_planner_drives_the_task_and_its_absence_fails_clearly(backend: B
     stack.stop().await;
 }
 both_backends!(remote_planner_drives_the_task_and_its_absence_fails_clearly);
+
+async fn requester_drives_the_task_over_rest(backend: Backend) {
+    let stack = Stack::start(backend, Options::default()).await.expect("stack");
+    let mut dev = registered(&stack.ws_url(0), device_register("pc-h", "linux")).await;
+    online(&stack, "pc-h").await;
+    let base = stack.sessions_url();
+    let body = json!({ "version": 1, "description": "driven", "originating_agent_id": "agent", "target_id": "pc-h", "driver": true });
+    let (status, t) = post_json(&format!("{base}/api/tasks"), &body).await;
+    assert_eq!(status, 201, "{t}");
+    let id = t["task_id"].as_str().expect("id").to_owned();
+
+    let device = tokio::spawn(async move {
+        // Answer the first command; ignore the second (it times out).
+        let command = dev.recv_type("command").await.expect("command");
+        dev.send(&command_results_for("pc-h", &command)).await.expect("results");
+        let _ignored = dev.recv_type("command").await.expect("second command");
+        dev
+    });
+    let call = json!({ "actions": [{ "tool_name": "echo", "tool_type": "action", "parameters": { "v": 7 } }] });
+    let (status, answer) = post_json(&format!("{base}/api/tasks/{id}/commands"), &call).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["results"][0]["status"], "success");
+    assert_eq!(answer["results"][0]["result"]["echo"]["v"], 7);
+
+    let mut slow = call.clone();
+    slow["timeout_secs"] = json!(1);
+    let (status, error) = post_json(&format!("{base}/api/tasks/{id}/commands"), &slow).await;
+    assert_eq!((status, error["error_code"].as_str()), (504, Some("TASK_TIMEOUT")), "{error}");
+    let (status, error) = post_json(&format!("{base}/api/tasks/{id}/commands"), &call).await;
+    assert_eq!(status, 409, "one command at a time: {error}");
+    let mut dev = device.await.expect("device");
+
+    let (status, done) = post_json(&format!("{base}/api/tasks/{id}/complete"), &json!({ "result": { "ok": true } })).await;
+    assert_eq!((status, done["state"].as_str()), (200, Some("completed")), "{done}");
+    assert_eq!(dev.recv_type("task_end").await.expect("executor told")["status"], "completed");
+
+    // A planner-driven task takes no commands over REST.
+    let body = json!({ "version": 1, "description": "scripted", "originating_agent_id": "agent", "target_id": "pc-h",
+        "steps": one_step("echo", json!({})) });
+    let (_, t) = post_json(&format!("{base}/api/tasks"), &body).await;
+    let other = t["task_id"].as_str().expect("id");
+    let (status, error) = post_json(&format!("{base}/api/tasks/{other}/commands"), &call).await;
+    assert_eq!((status, error["error_code"].as_str()), (409, Some("CONFLICT")), "{error}");
+    stack.stop().await;
+}
+both_backends!(requester_drives_the_task_over_rest);

@@ -159,9 +159,12 @@ impl Device {
             () = stop.cancelled() => return Ok(Ended::Stopped),
         };
         let answer = match first {
-            Err(_) => return Err(ConnectError::Retry(format!(
-                "no answer to REGISTER within {} s", REGISTER_TIMEOUT.as_secs()
-            ))),
+            Err(_) => {
+                return Err(ConnectError::Retry(format!(
+                    "no answer to REGISTER within {} s",
+                    REGISTER_TIMEOUT.as_secs()
+                )));
+            }
             Ok(Err(reason)) => return Err(ConnectError::Retry(reason)),
             Ok(Ok(answer)) => answer,
         };
@@ -240,7 +243,10 @@ impl Device {
         let frame: ServerMessage = match serde_json::from_str(text) {
             Ok(frame) => frame,
             Err(e) => {
-                say!("ignoring a frame I do not understand ({e}): {}", crate::output::truncate(text, 200));
+                say!(
+                    "ignoring a frame I do not understand ({e}): {}",
+                    crate::output::truncate(text, 200)
+                );
                 return;
             }
         };
@@ -264,16 +270,30 @@ impl Device {
                             .unwrap_or_default();
                         let outcome = match (&result.error, &result.result) {
                             (Some(error), _) => format!("{}: {error}", result.status.as_str()),
-                            (None, Some(value)) => format!("{} {}", result.status.as_str(), compact(value, 80)),
+                            (None, Some(value)) => {
+                                format!("{} {}", result.status.as_str(), compact(value, 80))
+                            }
                             (None, None) => result.status.as_str().to_owned(),
                         };
-                        say!("task {session}: {agent} ran {}{params} → {outcome}", action.tool_name);
+                        say!(
+                            "task {session}: {agent} ran {}{params} → {outcome}",
+                            action.tool_name
+                        );
                     }
-                    if out.send(Message::Text(to_text(&answer).into())).await.is_err() {
-                        say!("task {session}: the connection closed before the results could be sent");
+                    if out
+                        .send(Message::Text(to_text(&answer).into()))
+                        .await
+                        .is_err()
+                    {
+                        say!(
+                            "task {session}: the connection closed before the results could be sent"
+                        );
                     }
                     if matches!(frame.status, TaskStatus::Completed | TaskStatus::Failed) {
-                        say!("task {session}: that was the last step ({})", frame.status.as_str());
+                        say!(
+                            "task {session}: that was the last step ({})",
+                            frame.status.as_str()
+                        );
                     }
                 });
             }
@@ -301,7 +321,10 @@ impl Device {
             ServerMessageType::Error => {
                 say!(
                     "broker error{}: {}",
-                    frame.error_code().map(|c| format!(" ({c})")).unwrap_or_default(),
+                    frame
+                        .error_code()
+                        .map(|c| format!(" ({c})"))
+                        .unwrap_or_default(),
                     frame.error.as_deref().unwrap_or("(no text)")
                 );
             }
@@ -323,13 +346,16 @@ where
     loop {
         match stream.next().await {
             Some(Ok(Message::Text(text))) => {
-                return serde_json::from_str(text.as_str())
-                    .map_err(|e| format!("the answer to REGISTER is not an AIP frame ({e}): {text}"));
+                return serde_json::from_str(text.as_str()).map_err(|e| {
+                    format!("the answer to REGISTER is not an AIP frame ({e}): {text}")
+                });
             }
             Some(Ok(Message::Close(frame))) => {
                 return Err(format!(
                     "closed during registration{}",
-                    frame.map(|f| format!(" ({}: {})", u16::from(f.code), f.reason)).unwrap_or_default()
+                    frame
+                        .map(|f| format!(" ({}: {})", u16::from(f.code), f.reason))
+                        .unwrap_or_default()
                 ));
             }
             Some(Ok(_)) => {}
@@ -358,9 +384,14 @@ fn connect_error(error: tokio_tungstenite::tungstenite::Error) -> ConnectError {
                 .ok()
                 .and_then(|v| v.get("detail").and_then(Value::as_str).map(str::to_owned))
                 .unwrap_or(body);
-            let text = format!("the broker refused the connection (HTTP {}): {detail}", status.as_u16());
+            let text = format!(
+                "the broker refused the connection (HTTP {}): {detail}",
+                status.as_u16()
+            );
             if status.as_u16() == 401 || status.as_u16() == 403 {
-                ConnectError::Forbidden(format!("{text}. Pass the right token with --token or AIP_TOKEN"))
+                ConnectError::Forbidden(format!(
+                    "{text}. Pass the right token with --token or AIP_TOKEN"
+                ))
             } else {
                 ConnectError::Retry(text)
             }
@@ -395,7 +426,10 @@ pub async fn run(args: DeviceArgs) -> anyhow::Result<()> {
     if id.trim().is_empty() {
         bail!(crate::UsageError("--id must not be empty".to_owned()));
     }
-    let platform = args.platform.unwrap_or_else(PlatformArg::this_machine).platform();
+    let platform = args
+        .platform
+        .unwrap_or_else(PlatformArg::this_machine)
+        .platform();
     let device = Device {
         toolbox: Toolbox {
             system_info: tools::system_info(&id, platform.as_str()),
@@ -427,7 +461,8 @@ pub async fn run(args: DeviceArgs) -> anyhow::Result<()> {
             }
             Ok(Ended::Refused(reason)) => format!("registration refused: {reason}"),
             Err(ConnectError::Forbidden(reason)) => {
-                return Err(anyhow::anyhow!(reason)).context(format!("cannot connect to {}", args.url));
+                return Err(anyhow::anyhow!(reason))
+                    .context(format!("cannot connect to {}", args.url));
             }
             Err(ConnectError::Retry(reason)) => format!("cannot connect to {}: {reason}", args.url),
         };
@@ -465,7 +500,10 @@ mod tests {
         let text = to_text(&device().register_frame());
         let frame = parse_client_frame(text.as_bytes()).expect("valid frame");
         let details = register_details(&frame).expect("valid registration");
-        assert!(details.capabilities.contains(&"demo".to_owned()), "{details:?}");
+        assert!(
+            details.capabilities.contains(&"demo".to_owned()),
+            "{details:?}"
+        );
         assert_eq!(details.tools.len(), 4);
         assert_eq!(frame.metadata_value("platform"), Some(&json!("linux")));
         let info = frame.metadata_value("system_info").expect("system_info");
@@ -500,13 +538,22 @@ mod tests {
         assert_eq!(frame.prev_response_id.as_deref(), Some("r-1"));
         let results = frame.action_results.expect("results");
         assert_eq!(results.len(), 1);
-        assert_eq!(results[0].call_id, command.actions.expect("actions")[0].call_id);
+        assert_eq!(
+            results[0].call_id,
+            command.actions.expect("actions")[0].call_id
+        );
     }
 
     #[test]
     fn tokens_go_in_the_query() {
         assert_eq!(url_with_token("ws://h/ws", None), "ws://h/ws");
-        assert_eq!(url_with_token("ws://h/ws", Some("a b")), "ws://h/ws?token=a%20b");
-        assert_eq!(url_with_token("ws://h/ws?x=1", Some("k")), "ws://h/ws?x=1&token=k");
+        assert_eq!(
+            url_with_token("ws://h/ws", Some("a b")),
+            "ws://h/ws?token=a%20b"
+        );
+        assert_eq!(
+            url_with_token("ws://h/ws?x=1", Some("k")),
+            "ws://h/ws?x=1&token=k"
+        );
     }
 }

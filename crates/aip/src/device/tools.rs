@@ -185,11 +185,13 @@ pub fn hostname() -> String {
 }
 
 fn os_version() -> Option<String> {
-    let pretty = std::fs::read_to_string("/etc/os-release").ok().and_then(|text| {
-        text.lines()
-            .find_map(|l| l.strip_prefix("PRETTY_NAME="))
-            .map(|v| v.trim_matches('"').to_owned())
-    });
+    let pretty = std::fs::read_to_string("/etc/os-release")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+                .map(|v| v.trim_matches('"').to_owned())
+        });
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .ok()
         .map(|k| k.trim().to_owned());
@@ -244,13 +246,20 @@ mod tests {
         let statuses: Vec<_> = results.iter().map(|r| r.status).collect();
         assert_eq!(
             statuses,
-            [ResultStatus::Success, ResultStatus::Failure, ResultStatus::Skipped]
+            [
+                ResultStatus::Success,
+                ResultStatus::Failure,
+                ResultStatus::Skipped
+            ]
         );
         let calls: Vec<_> = results.iter().map(|r| r.call_id.as_deref()).collect();
         assert_eq!(calls, [Some("c1"), Some("c2"), Some("c3")]);
         assert_eq!(results[0].result, Some(json!({ "text": "hi" })));
         let error = results[1].error.as_deref().unwrap_or_default();
-        assert!(error.contains("unknown tool `rm_rf`") && error.contains("echo"), "{error}");
+        assert!(
+            error.contains("unknown tool `rm_rf`") && error.contains("echo"),
+            "{error}"
+        );
     }
 
     #[tokio::test]
@@ -286,9 +295,16 @@ mod tests {
             .expect("lists");
         let all: Vec<McpToolInfo> = serde_json::from_value(all).expect("MCPToolInfo list");
         assert_eq!(all.len(), 4);
-        assert!(all.iter().all(|t| t.tool_key == format!("{}::{}", t.tool_type, t.tool_name)));
+        assert!(
+            all.iter()
+                .all(|t| t.tool_key == format!("{}::{}", t.tool_type, t.tool_name))
+        );
         let actions = toolbox
-            .run(&command("list_tools", json!({ "tool_type": "action" }), "c"))
+            .run(&command(
+                "list_tools",
+                json!({ "tool_type": "action" }),
+                "c",
+            ))
             .await
             .expect("lists");
         assert!(

@@ -385,9 +385,10 @@ pub async fn online_clients(base: &str) -> Vec<String> {
         .collect()
 }
 
-/// `/api/agents/{id}`, or None on 404.
+/// `/api/agents/{id}`, or None on 404. Sent as raw HTTP/1.1 so the id reaches the server
+/// exactly as percent-encoded (URL libraries drop `.` and `%2E` path segments).
 pub async fn agent(base: &str, id: &str) -> Option<Value> {
-    let (status, body) = get_json(&format!("{base}/api/agents/{}", urlencode(id))).await;
+    let (status, body) = raw_get(base, &format!("/api/agents/{}", urlencode_all(id))).await;
     match status {
         200 => Some(body),
         404 => None,
@@ -429,6 +430,61 @@ pub async fn until_offline_at(base: &str, id: &str) {
     })
     .await
     .expect("offline");
+}
+
+/// GET `path` (already encoded) from `base` (`http://host:port`) over a plain HTTP/1.1
+/// connection → (status, JSON body or null).
+pub async fn raw_get(base: &str, path: &str) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = base.strip_prefix("http://").expect("an http:// base URL");
+    let mut tcp = TcpStream::connect(host)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {host}: {e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    tcp.write_all(request.as_bytes()).await.expect("request sent");
+    let mut response = Vec::new();
+    tcp.read_to_end(&mut response).await.expect("response read");
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("not an HTTP response: {text}"));
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {head}"));
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut decoded = String::new();
+        let mut rest = body;
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if size == 0 {
+                break;
+            }
+            decoded.push_str(&after[..size]);
+            rest = &after[size..].trim_start_matches("\r\n");
+        }
+        decoded
+    } else {
+        body.to_owned()
+    };
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+/// Percent-encodes every byte but ASCII letters and digits.
+pub fn urlencode_all(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// Percent-encodes everything but unreserved characters (for ids in URL paths).

@@ -1,0 +1,276 @@
+//! Running `aip` as real processes in tests: start, read output, wait on conditions with
+//! deadlines, and kill on drop so a failing test leaves nothing running.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a test waits for something that should happen.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// The `aip` binary under test.
+pub fn aip_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_aip")
+}
+
+/// The workspace root (for `examples/` and `scripts/`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("workspace root")
+}
+
+/// A fresh temporary directory, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// Creates one.
+    pub fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("aip-{tag}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        TempDir(dir)
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running process whose output is collected; killed when dropped.
+pub struct Proc {
+    name: String,
+    child: Option<Child>,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+}
+
+fn collect<R: Read + Send + 'static>(from: R, into: Arc<Mutex<String>>) {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(from);
+        let mut line = String::new();
+        while reader.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+            into.lock().unwrap_or_else(|p| p.into_inner()).push_str(&line);
+            line.clear();
+        }
+    });
+}
+
+impl Proc {
+    /// Starts `program args…` with `envs`, collecting stdout and stderr.
+    pub fn spawn(name: &str, program: &str, args: &[&str], envs: &[(&str, &str)]) -> Proc {
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .envs(envs.iter().copied())
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({program}): {e}"));
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        if let Some(out) = child.stdout.take() {
+            collect(out, stdout.clone());
+        }
+        if let Some(err) = child.stderr.take() {
+            collect(err, stderr.clone());
+        }
+        Proc {
+            name: name.to_owned(),
+            child: Some(child),
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Starts `aip args…`.
+    pub fn aip(name: &str, args: &[&str]) -> Proc {
+        Proc::spawn(name, aip_bin(), args, &[])
+    }
+
+    /// Its stdout so far.
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Its stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Waits until `check` finds something in stdout; panics with the output otherwise.
+    pub fn wait_for_stdout<T>(&mut self, what: &str, check: impl Fn(&str) -> Option<T>) -> T {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(found) = check(&self.stdout()) {
+                return found;
+            }
+            if let Some(status) = self.try_status() {
+                panic!(
+                    "{} exited ({status}) before {what}\n--- stdout\n{}\n--- stderr\n{}",
+                    self.name,
+                    self.stdout(),
+                    self.stderr()
+                );
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out waiting for {what} from {}\n--- stdout\n{}\n--- stderr\n{}",
+                    self.name,
+                    self.stdout(),
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Its exit status, if it has exited.
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Sends SIGTERM (as Kubernetes or `kill` would) and waits for the exit, at most `WAIT`.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let pid = self.child.as_ref().map(Child::id).expect("running");
+        let sent = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill -TERM {pid} failed");
+        self.wait_exit()
+    }
+
+    /// Waits for the process to exit by itself, at most `WAIT`.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.try_status() {
+                // Let the reader threads take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                return status;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{} did not exit within {WAIT:?}\n--- stdout\n{}\n--- stderr\n{}",
+                    self.name,
+                    self.stdout(),
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// What it printed, for assertion messages.
+    pub fn output(&self) -> String {
+        format!(
+            "--- {} stdout\n{}\n--- {} stderr\n{}",
+            self.name,
+            self.stdout(),
+            self.name,
+            self.stderr()
+        )
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if child.try_wait().ok().flatten().is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            if std::thread::panicking() {
+                eprintln!("{}", self.output());
+            }
+        }
+    }
+}
+
+/// A finished `aip …` run.
+#[derive(Debug)]
+pub struct Run {
+    /// Its exit code.
+    pub code: Option<i32>,
+    /// Its stdout.
+    pub stdout: String,
+    /// Its stderr.
+    pub stderr: String,
+}
+
+impl Run {
+    /// Stdout as JSON (for `--json`).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{self:?}"))
+    }
+}
+
+/// Runs `aip args…` to completion (killed after `WAIT`).
+pub fn aip(args: &[&str]) -> Run {
+    let mut proc = Proc::aip(&format!("aip {}", args.first().unwrap_or(&"")), args);
+    let status = proc.wait_exit();
+    Run {
+        code: status.code(),
+        stdout: proc.stdout(),
+        stderr: proc.stderr(),
+    }
+}
+
+/// `aip dev` on a free port with its data in `data_dir` (plus `extra` flags); returns the
+/// process and its REST and WebSocket URLs, read from its banner.
+pub fn start_dev(data_dir: &Path, extra: &[&str]) -> (Proc, String, String) {
+    let data = data_dir.to_str().expect("utf-8 path");
+    let mut args = vec!["dev", "--listen", "127.0.0.1:0", "--data-dir", data];
+    args.extend_from_slice(extra);
+    let mut dev = Proc::aip("aip dev", &args);
+    let ws = dev.wait_for_stdout("the WebSocket URL", |out| {
+        out.lines()
+            .find_map(|l| l.trim().strip_prefix("WebSocket"))
+            .map(|rest| rest.trim().to_owned())
+    });
+    let rest = dev.wait_for_stdout("the REST URL", |out| {
+        out.lines()
+            .find_map(|l| l.trim().strip_prefix("REST"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .map(|u| u.trim_end_matches("/api").to_owned())
+    });
+    (dev, rest, ws)
+}
+
+/// Waits until `aip agents list --json` shows `id` available.
+pub fn wait_available(rest: &str, id: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let run = aip(&["agents", "list", "--json", "--rest", rest]);
+        if run.code == Some(0) {
+            let agents = run.json();
+            let available = agents.as_array().is_some_and(|list| {
+                list.iter()
+                    .any(|a| a["agent_id"] == id && a["status"] == "available")
+            });
+            if available {
+                return;
+            }
+        }
+        if Instant::now() > deadline {
+            panic!("{id} never became available: {run:?}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -1,0 +1,138 @@
+//! The README walkthrough, run as real processes: `aip dev`, `aip device`, `aip dispatch`,
+//! then a restart of `aip dev` on the same data directory, after which the task, its result
+//! and its events are still there.
+
+mod common;
+
+use common::{Proc, TempDir, aip, start_dev, wait_available};
+
+#[test]
+fn walkthrough_survives_a_restart() {
+    let data = TempDir::new("walkthrough");
+    let (mut dev, rest, ws) = start_dev(data.path(), &[]);
+    assert!(
+        dev.stdout().contains("aip device") && dev.stdout().contains("aip dispatch"),
+        "the banner says what to run next:\n{}",
+        dev.stdout()
+    );
+
+    let mut device = Proc::aip(
+        "aip device",
+        &["device", "--url", &ws, "--id", "demo-pc", "--capability", "demo"],
+    );
+    device.wait_for_stdout("registration", |out| {
+        out.contains("registered as demo-pc").then_some(())
+    });
+    wait_available(&rest, "demo-pc");
+
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--capability",
+        "demo",
+        "--tool",
+        "echo",
+        "--args",
+        r#"{"text":"hi"}"#,
+        "say hi",
+    ]);
+    assert_eq!(run.code, Some(0), "dispatch completes: {run:?}");
+    let outcome = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("task ") && l.contains(" completed on demo-pc"))
+        .unwrap_or_else(|| panic!("no outcome line: {run:?}"));
+    let task_id = outcome
+        .split_whitespace()
+        .nth(1)
+        .expect("task id")
+        .to_owned();
+    assert!(run.stdout.contains("step 1: sent echo"), "live progress: {run:?}");
+    assert!(run.stdout.contains(r#"{"text":"hi"}"#), "the result: {run:?}");
+    device.wait_for_stdout("the device's log of the task", |out| {
+        (out.contains("ran echo") && out.contains(&format!("task {task_id}: task_end completed")))
+            .then_some(())
+    });
+
+    // Unknown tool: the device answers with a failure; the scripted task still completes.
+    let run = aip(&[
+        "dispatch", "--rest", &rest, "--target", "demo-pc", "--tool", "format_disk", "x",
+    ]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    assert!(run.stdout.contains("unknown tool `format_disk`"), "{run:?}");
+    assert!(run.stdout.contains("warning: 1 command(s) failed"), "{run:?}");
+
+    // Nobody has the capability: refused, with the broker's reason, exit code 3.
+    let run = aip(&["dispatch", "--rest", &rest, "--capability", "quantum", "x"]);
+    assert_eq!(run.code, Some(3), "{run:?}");
+    assert!(run.stderr.contains("CAPABILITY_MISMATCH"), "{run:?}");
+
+    // No steps and no planner on the in-process bus: the task fails, exit code 1.
+    let run = aip(&["dispatch", "--rest", &rest, "--target", "demo-pc", "plan it yourself"]);
+    assert_eq!(run.code, Some(1), "{run:?}");
+    assert!(run.stdout.contains("no planner is running"), "{run:?}");
+
+    // Graceful stop; the device keeps trying to reconnect.
+    let status = dev.terminate();
+    assert!(status.success(), "aip dev exits cleanly on SIGTERM: {status}\n{}", dev.output());
+    device.wait_for_stdout("the device noticing", |out| {
+        out.contains("reconnecting in").then_some(())
+    });
+    let run = aip(&["tasks", "get", &task_id, "--rest", &rest]);
+    assert_eq!(run.code, Some(3), "{run:?}");
+    assert!(
+        run.stderr.contains("not running") && run.stderr.contains("aip dev"),
+        "says the broker is not running and how to start it: {run:?}"
+    );
+    drop(device);
+
+    let (_dev, rest, _ws) = start_dev(data.path(), &[]);
+    let run = aip(&["tasks", "get", &task_id, "--json", "--rest", &rest]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    let task = run.json();
+    assert_eq!(task["state"], "completed", "{task}");
+    assert_eq!(task["executor_id"], "demo-pc");
+    assert_eq!(task["result"][0]["results"][0]["result"]["text"], "hi", "{task}");
+    assert!(task["events"].as_i64().is_some_and(|n| n >= 5), "{task}");
+
+    let run = aip(&["tasks", "events", &task_id, "--json", "--rest", &rest]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    let kinds: Vec<String> = run.json()["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["kind"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(
+        kinds,
+        ["submitted", "dispatched", "command_sent", "results_received", "completed"]
+    );
+
+    let run = aip(&["tasks", "get", &task_id, "--rest", &rest]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    assert!(
+        run.stdout.contains("completed") && run.stdout.contains("echo"),
+        "human view: {run:?}"
+    );
+    let run = aip(&["tasks", "list", "--rest", &rest]);
+    assert!(run.stdout.contains(&task_id), "{run:?}");
+    let run = aip(&["agents", "get", "demo-pc", "--rest", &rest]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    assert!(run.stdout.contains("demo") && run.stdout.contains("list_tools"), "{run:?}");
+}
+
+#[test]
+fn dispatch_says_when_the_broker_is_not_running() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let rest = format!("http://127.0.0.1:{port}");
+    let run = aip(&["dispatch", "--rest", &rest, "--capability", "demo", "--tool", "echo", "hi"]);
+    assert_eq!(run.code, Some(3), "{run:?}");
+    assert!(run.stderr.contains("cannot reach the broker"), "{run:?}");
+    assert!(run.stderr.contains("aip dev"), "{run:?}");
+    let run = aip(&["dispatch", "--rest", &rest, "--capability", "demo", "--args", "{}", "hi"]);
+    assert_eq!(run.code, Some(2), "usage error: {run:?}");
+}
