@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserializer, Serialize};
 use serde::de::DeserializeOwned;
 
 /// Why configuration could not be loaded.
@@ -50,4 +50,55 @@ where
         .build()
         .and_then(|c| c.try_deserialize())
         .map_err(wrap)
+}
+
+/// Accepts `["a", "b"]` or `"a,b"` (environment variables carry one string, which the
+/// configuration loader may already have turned into a number or a boolean).
+pub fn string_or_list<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
+    struct Keys;
+
+    impl<'de> serde::de::Visitor<'de> for Keys {
+        type Value = Vec<String>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of keys or one comma-separated string")
+        }
+
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            Ok(s.split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(str::to_owned)
+                .collect())
+        }
+
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(vec![v.to_string()])
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(vec![v.to_string()])
+        }
+
+        fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
+            Ok(vec![v.to_string()])
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Vec::new())
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut keys = Vec::new();
+            while let Some(key) = seq.next_element::<String>()? {
+                keys.push(key);
+            }
+            Ok(keys)
+        }
+    }
+
+    deserializer.deserialize_any(Keys)
 }

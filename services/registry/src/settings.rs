@@ -39,7 +39,7 @@ pub struct RegistrySettings {
     /// Keys accepted on `/api/*` (`X-API-Key` or `Authorization: Bearer`). A list, or one
     /// comma-separated string in the environment. Empty: no authentication, which is allowed
     /// only on a loopback address unless `allow_no_auth` is set.
-    #[serde(deserialize_with = "string_or_list")]
+    #[serde(deserialize_with = "aip_runtime::settings::string_or_list")]
     pub api_keys: Vec<String>,
     /// Serve `/api/*` without keys on a non-loopback address (trusted networks only).
     pub allow_no_auth: bool,
@@ -188,56 +188,6 @@ impl RegistrySettings {
     }
 }
 
-/// Accepts `["a", "b"]` or `"a,b"` (environment variables carry one string, which the
-/// configuration loader may already have turned into a number or a boolean).
-fn string_or_list<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
-    struct Keys;
-
-    impl<'de> serde::de::Visitor<'de> for Keys {
-        type Value = Vec<String>;
-
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a list of keys or one comma-separated string")
-        }
-
-        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Self::Value, E> {
-            Ok(s.split(',')
-                .map(str::trim)
-                .filter(|k| !k.is_empty())
-                .map(str::to_owned)
-                .collect())
-        }
-
-        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-            Ok(vec![v.to_string()])
-        }
-
-        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-            Ok(vec![v.to_string()])
-        }
-
-        fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
-            Ok(vec![v.to_string()])
-        }
-
-        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-            Ok(Vec::new())
-        }
-
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(
-            self,
-            mut seq: A,
-        ) -> Result<Self::Value, A::Error> {
-            let mut keys = Vec::new();
-            while let Some(key) = seq.next_element::<String>()? {
-                keys.push(key);
-            }
-            Ok(keys)
-        }
-    }
-
-    deserializer.deserialize_any(Keys)
-}
 
 #[cfg(test)]
 mod tests {

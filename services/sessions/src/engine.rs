@@ -652,7 +652,8 @@ impl Engine {
         let mut effects = Effects::default();
         match decision {
             step @ PlanStep::Commands { .. } => {
-                self.apply_commands(&mut tx, &mut effects, &mut current, step).await?;
+                self.apply_commands(&mut tx, &mut effects, &mut current, step)
+                    .await?;
             }
             PlanStep::Complete { result } => {
                 let result = result.unwrap_or_else(|| Value::Array(current.history.0.clone()));
@@ -697,11 +698,21 @@ impl Engine {
         task: &mut TaskRow,
         step: PlanStep,
     ) -> Result<String, StoreError> {
-        let PlanStep::Commands { actions, agent_name, process_name, root_name } = step else {
+        let PlanStep::Commands {
+            actions,
+            agent_name,
+            process_name,
+            root_name,
+        } = step
+        else {
             return Ok(String::new());
         };
         let executor = task.executor_id.clone().unwrap_or_default();
-        let platform = task.executor_platform.as_deref().and_then(Platform::from_wire).unwrap_or(Platform::Windows);
+        let platform = task
+            .executor_platform
+            .as_deref()
+            .and_then(Platform::from_wire)
+            .unwrap_or(Platform::Windows);
         let target = CommandTarget {
             session_id: task.task_id.clone(),
             task_name: Some(task.task_name.clone()),
@@ -716,9 +727,11 @@ impl Engine {
         task.state = TaskState::Working.as_str().to_owned();
         let now = now_ms();
         task.updated_ms = now;
-        let command_deadline = now + i64::try_from(self.settings.command_timeout_secs * 1000).unwrap_or(i64::MAX / 2);
+        let command_deadline =
+            now + i64::try_from(self.settings.command_timeout_secs * 1000).unwrap_or(i64::MAX / 2);
         task.deadline_ms = task.task_deadline_ms.min(command_deadline);
-        let data = json!({ "step": task.step, "response_id": response_id, "actions": frame.actions });
+        let data =
+            json!({ "step": task.step, "response_id": response_id, "actions": frame.actions });
         tx.append_event(task, "command_sent", Some(data)).await?;
         tx.update_task(task).await?;
         self.queue(tx, effects, &executor, &frame).await?;
@@ -847,11 +860,20 @@ impl Engine {
         task.state = TaskState::Working.as_str().to_owned();
         task.deadline_ms = task.task_deadline_ms;
         task.updated_ms = now_ms();
-        tx.append_event(&mut task, "results_received", Some(entry)).await?;
+        tx.append_event(&mut task, "results_received", Some(entry))
+            .await?;
         tx.update_task(&task).await?;
         tx.commit().await?;
-        let plan = if task.needs_plan { vec![task.task_id.clone()] } else { Vec::new() };
-        self.finish_effects(Effects { published: Vec::new(), plan }).await;
+        let plan = if task.needs_plan {
+            vec![task.task_id.clone()]
+        } else {
+            Vec::new()
+        };
+        self.finish_effects(Effects {
+            published: Vec::new(),
+            plan,
+        })
+        .await;
         Ok(())
     }
 
@@ -979,22 +1001,38 @@ impl Engine {
 
     /// Sends commands into a requester-driven task (REST); returns the command's `response_id`
     /// and the sequence number of its `command_sent` event. One command at a time.
-    pub async fn send_commands(&self, task_id: &str, step: PlanStep) -> Result<(String, i64), EngineError> {
+    pub async fn send_commands(
+        &self,
+        task_id: &str,
+        step: PlanStep,
+    ) -> Result<(String, i64), EngineError> {
         let mut tx = self.store.begin().await?;
         let Some(mut task) = tx.lock_task(task_id).await? else {
-            return Err(EngineError::refused(ErrorCode::NotFound, format!("no task '{task_id}'")));
+            return Err(EngineError::refused(
+                ErrorCode::NotFound,
+                format!("no task '{task_id}'"),
+            ));
         };
         if task.planner != "driver" {
             return Err(EngineError::refused(
                 ErrorCode::Conflict,
-                format!("task '{task_id}' is driven by its {} planner; submit it with \"driver\": true to send commands", task.planner),
+                format!(
+                    "task '{task_id}' is driven by its {} planner; submit it with \"driver\": true to send commands",
+                    task.planner
+                ),
             ));
         }
         if task.state().is_terminal() {
-            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' has already ended ({})", task.state)));
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' has already ended ({})", task.state),
+            ));
         }
         if task.state() == TaskState::Submitted {
-            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' waits for its executor to be free")));
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' waits for its executor to be free"),
+            ));
         }
         if let Some(pending) = &task.pending_response_id {
             return Err(EngineError::refused(
@@ -1003,7 +1041,9 @@ impl Engine {
             ));
         }
         let mut effects = Effects::default();
-        let response_id = self.apply_commands(&mut tx, &mut effects, &mut task, step).await?;
+        let response_id = self
+            .apply_commands(&mut tx, &mut effects, &mut task, step)
+            .await?;
         let seq = task.next_seq - 1;
         tx.commit().await?;
         self.finish_effects(effects).await;
@@ -1011,21 +1051,55 @@ impl Engine {
     }
 
     /// Ends a requester-driven task (REST).
-    pub async fn complete(&self, task_id: &str, result: Option<Value>, error: Option<String>) -> Result<TaskRow, EngineError> {
+    pub async fn complete(
+        &self,
+        task_id: &str,
+        result: Option<Value>,
+        error: Option<String>,
+    ) -> Result<TaskRow, EngineError> {
         let mut tx = self.store.begin().await?;
         let Some(mut task) = tx.lock_task(task_id).await? else {
-            return Err(EngineError::refused(ErrorCode::NotFound, format!("no task '{task_id}'")));
+            return Err(EngineError::refused(
+                ErrorCode::NotFound,
+                format!("no task '{task_id}'"),
+            ));
         };
         if task.planner != "driver" {
-            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' is ended by its planner, not over REST")));
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' is ended by its planner, not over REST"),
+            ));
         }
         if task.state().is_terminal() {
-            return Err(EngineError::refused(ErrorCode::Conflict, format!("task '{task_id}' has already ended ({})", task.state)));
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' has already ended ({})", task.state),
+            ));
         }
         let mut effects = Effects::default();
         match error {
-            None => self.finish(&mut tx, &mut effects, &mut task, TaskState::Completed, result, None).await?,
-            Some(e) => self.finish(&mut tx, &mut effects, &mut task, TaskState::Failed, result, Some((ErrorCode::CommandFailed, e))).await?,
+            None => {
+                self.finish(
+                    &mut tx,
+                    &mut effects,
+                    &mut task,
+                    TaskState::Completed,
+                    result,
+                    None,
+                )
+                .await?
+            }
+            Some(e) => {
+                self.finish(
+                    &mut tx,
+                    &mut effects,
+                    &mut task,
+                    TaskState::Failed,
+                    result,
+                    Some((ErrorCode::CommandFailed, e)),
+                )
+                .await?
+            }
         }
         tx.commit().await?;
         self.finish_effects(effects).await;

@@ -326,7 +326,10 @@ async fn send_commands(
     Body(body): Body<CommandsBody>,
 ) -> Result<Json<Value>, ApiError> {
     if body.actions.is_empty() {
-        return Err(ApiError::new(ErrorCode::InvalidRequest, "`actions` must not be empty"));
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "`actions` must not be empty",
+        ));
     }
     let wait = Duration::from_secs(body.timeout_secs.unwrap_or(60).clamp(1, 600));
     let step = proto_schemas::sessions::PlanStep::Commands {
@@ -341,22 +344,34 @@ async fn send_commands(
     loop {
         for event in engine.store.events(&id, after, 100).await? {
             after = event.seq;
-            let answers = event.data.as_ref().and_then(|d| d.get("response_id")).and_then(Value::as_str);
+            let answers = event
+                .data
+                .as_ref()
+                .and_then(|d| d.get("response_id"))
+                .and_then(Value::as_str);
             if event.kind == "results_received" && answers == Some(response_id.as_str()) {
                 let data = event.data.unwrap_or_default();
-                return Ok(Json(json!({ "response_id": response_id, "status": data["status"], "results": data["results"] })));
+                return Ok(Json(
+                    json!({ "response_id": response_id, "status": data["status"], "results": data["results"] }),
+                ));
             }
             if event.state.is_terminal() {
                 return Err(ApiError::new(
                     ErrorCode::Conflict,
-                    format!("task '{id}' ended ({}) before the results came", event.state.as_str()),
+                    format!(
+                        "task '{id}' ended ({}) before the results came",
+                        event.state.as_str()
+                    ),
                 ));
             }
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(ApiError::new(
                 ErrorCode::TaskTimeout,
-                format!("no results for command `{response_id}` within {} s; it is still pending", wait.as_secs()),
+                format!(
+                    "no results for command `{response_id}` within {} s; it is still pending",
+                    wait.as_secs()
+                ),
             ));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -489,8 +504,14 @@ pub fn openapi() -> Value {
             ("TaskView", g.subschema_for::<TaskView>().to_value()),
             ("TaskEvent", g.subschema_for::<TaskEvent>().to_value()),
             ("ErrorBody", g.subschema_for::<ErrorBody>().to_value()),
-            ("Command", g.subschema_for::<proto_schemas::Command>().to_value()),
-            ("Result", g.subschema_for::<proto_schemas::ActionResult>().to_value()),
+            (
+                "Command",
+                g.subschema_for::<proto_schemas::Command>().to_value(),
+            ),
+            (
+                "Result",
+                g.subschema_for::<proto_schemas::ActionResult>().to_value(),
+            ),
         ]
     });
     let error = |description: &str| json!({ "description": description, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ErrorBody" } } } });

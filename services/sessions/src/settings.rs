@@ -30,6 +30,8 @@ pub struct SessionSettings {
     pub listen: SocketAddr,
     /// Keys accepted on `/api/*` (`X-API-Key` or `Authorization: Bearer`). Empty: no
     /// authentication, allowed only on a loopback address unless `allow_no_auth` is set.
+    /// A list, or one comma-separated string in the environment.
+    #[serde(deserialize_with = "aip_runtime::settings::string_or_list")]
     pub api_keys: Vec<String>,
     /// Serve `/api/*` without keys on a non-loopback address.
     pub allow_no_auth: bool,

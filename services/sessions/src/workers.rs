@@ -329,7 +329,9 @@ pub fn new_task_from_request(
         requester: requester(request.originating_agent_id),
         placement,
         plan: match (request.steps, request.driver) {
-            (Some(_), true) => return Err(invalid("give `steps` or `driver: true`, not both".into())),
+            (Some(_), true) => {
+                return Err(invalid("give `steps` or `driver: true`, not both".into()));
+            }
             (Some(steps), false) => Plan::Scripted(steps),
             (None, true) => Plan::Driver,
             (None, false) => Plan::Remote,

@@ -376,7 +376,9 @@ async fn remote_planner_drives_the_task_and_its_absence_fails_clearly(backend: B
 both_backends!(remote_planner_drives_the_task_and_its_absence_fails_clearly);
 
 async fn requester_drives_the_task_over_rest(backend: Backend) {
-    let stack = Stack::start(backend, Options::default()).await.expect("stack");
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
     let mut dev = registered(&stack.ws_url(0), device_register("pc-h", "linux")).await;
     online(&stack, "pc-h").await;
     let base = stack.sessions_url();
@@ -388,7 +390,9 @@ async fn requester_drives_the_task_over_rest(backend: Backend) {
     let device = tokio::spawn(async move {
         // Answer the first command; ignore the second (it times out).
         let command = dev.recv_type("command").await.expect("command");
-        dev.send(&command_results_for("pc-h", &command)).await.expect("results");
+        dev.send(&command_results_for("pc-h", &command))
+            .await
+            .expect("results");
         let _ignored = dev.recv_type("command").await.expect("second command");
         dev
     });
@@ -401,14 +405,29 @@ async fn requester_drives_the_task_over_rest(backend: Backend) {
     let mut slow = call.clone();
     slow["timeout_secs"] = json!(1);
     let (status, error) = post_json(&format!("{base}/api/tasks/{id}/commands"), &slow).await;
-    assert_eq!((status, error["error_code"].as_str()), (504, Some("TASK_TIMEOUT")), "{error}");
+    assert_eq!(
+        (status, error["error_code"].as_str()),
+        (504, Some("TASK_TIMEOUT")),
+        "{error}"
+    );
     let (status, error) = post_json(&format!("{base}/api/tasks/{id}/commands"), &call).await;
     assert_eq!(status, 409, "one command at a time: {error}");
     let mut dev = device.await.expect("device");
 
-    let (status, done) = post_json(&format!("{base}/api/tasks/{id}/complete"), &json!({ "result": { "ok": true } })).await;
-    assert_eq!((status, done["state"].as_str()), (200, Some("completed")), "{done}");
-    assert_eq!(dev.recv_type("task_end").await.expect("executor told")["status"], "completed");
+    let (status, done) = post_json(
+        &format!("{base}/api/tasks/{id}/complete"),
+        &json!({ "result": { "ok": true } }),
+    )
+    .await;
+    assert_eq!(
+        (status, done["state"].as_str()),
+        (200, Some("completed")),
+        "{done}"
+    );
+    assert_eq!(
+        dev.recv_type("task_end").await.expect("executor told")["status"],
+        "completed"
+    );
 
     // A planner-driven task takes no commands over REST.
     let body = json!({ "version": 1, "description": "scripted", "originating_agent_id": "agent", "target_id": "pc-h",
@@ -416,7 +435,102 @@ async fn requester_drives_the_task_over_rest(backend: Backend) {
     let (_, t) = post_json(&format!("{base}/api/tasks"), &body).await;
     let other = t["task_id"].as_str().expect("id");
     let (status, error) = post_json(&format!("{base}/api/tasks/{other}/commands"), &call).await;
-    assert_eq!((status, error["error_code"].as_str()), (409, Some("CONFLICT")), "{error}");
+    assert_eq!(
+        (status, error["error_code"].as_str()),
+        (409, Some("CONFLICT")),
+        "{error}"
+    );
     stack.stop().await;
 }
 both_backends!(requester_drives_the_task_over_rest);
+
+async fn nats_submission_and_the_event_stream(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let mut dev = registered(&stack.ws_url(0), device_register("pc-i", "linux")).await;
+    online(&stack, "pc-i").await;
+    let subject = format!("{}.sessions.submit", stack.prefix);
+    let request = json!({ "version": 1, "description": "over nats", "originating_agent_id": "llm-agent",
+        "target_id": "pc-i", "steps": one_step("echo", json!({ "n": 1 })) });
+    let reply = stack
+        .bus
+        .request(
+            subject.clone(),
+            Headers::new(),
+            request.to_string().into(),
+            std::time::Duration::from_secs(10),
+        )
+        .await
+        .expect("reply");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("json");
+    let id = reply["ok"]["task_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("accepted: {reply}"))
+        .to_owned();
+    assert_eq!(reply["ok"]["executor_id"], "pc-i");
+
+    // Follow it as Server-Sent Events while the device works.
+    let url = format!("{}/api/tasks/{id}/events/stream", stack.sessions_url());
+    let stream = tokio::spawn(async move {
+        reqwest::get(url)
+            .await
+            .expect("sse")
+            .text()
+            .await
+            .expect("body")
+    });
+    let command = dev.recv_type("command").await.expect("command");
+    dev.send(&command_results_for("pc-i", &command))
+        .await
+        .expect("results");
+    let body = tokio::time::timeout(aip_testkit::WAIT, stream)
+        .await
+        .expect("the stream ends")
+        .expect("task");
+    let ids: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("id: ").or_else(|| l.strip_prefix("id:")))
+        .collect();
+    assert_eq!(ids, ["1", "2", "3", "4", "5"], "{body}");
+    assert!(body.contains("event: completed"), "{body}");
+    // Resuming after sequence 3 gives the rest only.
+    let resumed = reqwest::Client::new()
+        .get(format!(
+            "{}/api/tasks/{id}/events/stream",
+            stack.sessions_url()
+        ))
+        .header("Last-Event-ID", "3")
+        .send()
+        .await
+        .expect("sse")
+        .text()
+        .await
+        .expect("body");
+    assert!(
+        resumed.contains("id: 4") && resumed.contains("id: 5") && !resumed.contains("id: 3"),
+        "{resumed}"
+    );
+
+    // A bad submission gets a clear error reply.
+    let reply = stack
+        .bus
+        .request(
+            subject,
+            Headers::new(),
+            "{\"version\":2}".into(),
+            std::time::Duration::from_secs(10),
+        )
+        .await
+        .expect("reply");
+    assert_eq!(reply.headers.get("Aip-Error-Code"), Some("INVALID_REQUEST"));
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("json");
+    assert!(
+        reply["error"]["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("version")),
+        "{reply}"
+    );
+    stack.stop().await;
+}
+both_backends!(nats_submission_and_the_event_stream);
