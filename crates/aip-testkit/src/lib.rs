@@ -342,6 +342,44 @@ impl Stack {
     }
 }
 
+/// GET a URL; the status and the JSON body (`null` if the body is not JSON).
+pub async fn get_json(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url)
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// POST JSON to a URL; the status and the JSON body (`null` if the body is not JSON).
+pub async fn post_json(url: &str, body: &Value) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+impl Stack {
+    /// Waits until the registry lists `id` among the online clients.
+    pub async fn wait_online(&self, id: &str) {
+        let url = format!("{}/api/clients", self.registry_url());
+        eventually(&format!("{id} online"), || async {
+            let (_, body) = get_json(&url).await;
+            body["online_clients"]
+                .as_array()?
+                .iter()
+                .any(|c| c == id)
+                .then_some(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
 /// Waits until `check` returns `Some`, polling, at most `WAIT`.
 pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> anyhow::Result<T>
 where
@@ -379,6 +417,23 @@ impl Client {
     pub async fn connect(url: &str) -> anyhow::Result<Client> {
         let (ws, _) = tokio_tungstenite::connect_async(url).await?;
         Ok(Client { ws })
+    }
+
+    /// Connects, sends `register` and expects the registration heartbeat.
+    pub async fn registered(url: &str, register: Value) -> Client {
+        let mut client = Client::connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("connect {url}: {e}"));
+        client
+            .send(&register)
+            .await
+            .unwrap_or_else(|e| panic!("send register: {e}"));
+        let reply = client
+            .recv()
+            .await
+            .unwrap_or_else(|e| panic!("registration answer: {e}"));
+        assert_eq!(reply["type"], "heartbeat", "registration refused: {reply}");
+        client
     }
 
     /// Connects and expects the handshake to be refused; returns the HTTP status.

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use aip_runtime::telemetry::LogFormat;
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// Upper bound of [`RegistrySettings::max_in_flight`].
 pub const MAX_IN_FLIGHT: usize = 100_000;
@@ -187,7 +187,6 @@ impl RegistrySettings {
         Duration::from_millis(self.shutdown_grace_ms)
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -999,6 +999,38 @@ impl Engine {
         Ok(())
     }
 
+    /// Locks a task that must exist and still be live (for REST actions on it).
+    async fn lock_live(&self, tx: &mut Tx, task_id: &str) -> Result<TaskRow, EngineError> {
+        let Some(task) = tx.lock_task(task_id).await? else {
+            return Err(EngineError::refused(
+                ErrorCode::NotFound,
+                format!("no task '{task_id}'"),
+            ));
+        };
+        if task.state().is_terminal() {
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' has already ended ({})", task.state),
+            ));
+        }
+        Ok(task)
+    }
+
+    /// Locks a live requester-driven task.
+    async fn lock_driven(&self, tx: &mut Tx, task_id: &str) -> Result<TaskRow, EngineError> {
+        let task = self.lock_live(tx, task_id).await?;
+        if task.planner != "driver" {
+            return Err(EngineError::refused(
+                ErrorCode::Conflict,
+                format!(
+                    "task '{task_id}' is driven by its {} planner; submit it with \"driver\": true to drive it over REST",
+                    task.planner
+                ),
+            ));
+        }
+        Ok(task)
+    }
+
     /// Sends commands into a requester-driven task (REST); returns the command's `response_id`
     /// and the sequence number of its `command_sent` event. One command at a time.
     pub async fn send_commands(
@@ -1007,27 +1039,7 @@ impl Engine {
         step: PlanStep,
     ) -> Result<(String, i64), EngineError> {
         let mut tx = self.store.begin().await?;
-        let Some(mut task) = tx.lock_task(task_id).await? else {
-            return Err(EngineError::refused(
-                ErrorCode::NotFound,
-                format!("no task '{task_id}'"),
-            ));
-        };
-        if task.planner != "driver" {
-            return Err(EngineError::refused(
-                ErrorCode::Conflict,
-                format!(
-                    "task '{task_id}' is driven by its {} planner; submit it with \"driver\": true to send commands",
-                    task.planner
-                ),
-            ));
-        }
-        if task.state().is_terminal() {
-            return Err(EngineError::refused(
-                ErrorCode::Conflict,
-                format!("task '{task_id}' has already ended ({})", task.state),
-            ));
-        }
+        let mut task = self.lock_driven(&mut tx, task_id).await?;
         if task.state() == TaskState::Submitted {
             return Err(EngineError::refused(
                 ErrorCode::Conflict,
@@ -1057,50 +1069,15 @@ impl Engine {
         result: Option<Value>,
         error: Option<String>,
     ) -> Result<TaskRow, EngineError> {
-        let mut tx = self.store.begin().await?;
-        let Some(mut task) = tx.lock_task(task_id).await? else {
-            return Err(EngineError::refused(
-                ErrorCode::NotFound,
-                format!("no task '{task_id}'"),
-            ));
+        let (state, error) = match error {
+            None => (TaskState::Completed, None),
+            Some(e) => (TaskState::Failed, Some((ErrorCode::CommandFailed, e))),
         };
-        if task.planner != "driver" {
-            return Err(EngineError::refused(
-                ErrorCode::Conflict,
-                format!("task '{task_id}' is ended by its planner, not over REST"),
-            ));
-        }
-        if task.state().is_terminal() {
-            return Err(EngineError::refused(
-                ErrorCode::Conflict,
-                format!("task '{task_id}' has already ended ({})", task.state),
-            ));
-        }
+        let mut tx = self.store.begin().await?;
+        let mut task = self.lock_driven(&mut tx, task_id).await?;
         let mut effects = Effects::default();
-        match error {
-            None => {
-                self.finish(
-                    &mut tx,
-                    &mut effects,
-                    &mut task,
-                    TaskState::Completed,
-                    result,
-                    None,
-                )
-                .await?
-            }
-            Some(e) => {
-                self.finish(
-                    &mut tx,
-                    &mut effects,
-                    &mut task,
-                    TaskState::Failed,
-                    result,
-                    Some((ErrorCode::CommandFailed, e)),
-                )
-                .await?
-            }
-        }
+        self.finish(&mut tx, &mut effects, &mut task, state, result, error)
+            .await?;
         tx.commit().await?;
         self.finish_effects(effects).await;
         Ok(task)
@@ -1109,27 +1086,16 @@ impl Engine {
     /// Cancels a live task (REST); the executor and a client requester are told.
     pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<TaskRow, EngineError> {
         let mut tx = self.store.begin().await?;
-        let Some(mut task) = tx.lock_task(task_id).await? else {
-            return Err(EngineError::refused(
-                ErrorCode::NotFound,
-                format!("no task '{task_id}'"),
-            ));
-        };
-        if task.state().is_terminal() {
-            return Err(EngineError::refused(
-                ErrorCode::Conflict,
-                format!("task '{task_id}' has already ended ({})", task.state),
-            ));
-        }
+        let mut task = self.lock_live(&mut tx, task_id).await?;
         let mut effects = Effects::default();
-        let error = format!("canceled: {reason}");
+        let error = Some((ErrorCode::TaskCanceled, format!("canceled: {reason}")));
         self.finish(
             &mut tx,
             &mut effects,
             &mut task,
             TaskState::Canceled,
             None,
-            Some((ErrorCode::TaskCanceled, error)),
+            error,
         )
         .await?;
         tx.commit().await?;

@@ -6,48 +6,10 @@ use aip_testkit::frames::{
     self, command_results_for, constellation_register, constellation_task, device_register,
     one_step,
 };
-use aip_testkit::{Backend, Client, Options, Stack, both_backends, eventually};
-use serde_json::{Value, json};
-
-async fn get_json(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url).await.expect("request");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn post_json(url: &str, body: &Value) -> (u16, Value) {
-    let response = reqwest::Client::new()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn registered(url: &str, frame: Value) -> Client {
-    let mut client = Client::connect(url).await.expect("connect");
-    client.send(&frame).await.expect("send");
-    let reply = client.recv().await.expect("registration answer");
-    assert_eq!(reply["type"], "heartbeat", "registration refused: {reply}");
-    client
-}
-
-/// Waits until the registry sees the device online.
-async fn online(stack: &Stack, id: &str) {
-    let url = format!("{}/api/clients", stack.registry_url());
-    eventually(&format!("{id} online"), || async {
-        let (_, body) = get_json(&url).await;
-        body["online_clients"]
-            .as_array()?
-            .iter()
-            .any(|c| c == id)
-            .then_some(())
-    })
-    .await
-    .expect("device registered");
-}
+use aip_testkit::{
+    Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
+};
+use serde_json::json;
 
 async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
     let stack = Stack::start(
@@ -59,9 +21,9 @@ async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
     )
     .await
     .expect("stack");
-    let mut device = registered(&stack.ws_url(1), device_register("pc-1", "linux")).await;
-    online(&stack, "pc-1").await;
-    let mut galaxy = registered(
+    let mut device = Client::registered(&stack.ws_url(1), device_register("pc-1", "linux")).await;
+    stack.wait_online("pc-1").await;
+    let mut galaxy = Client::registered(
         &stack.ws_url(0),
         constellation_register("demo@pc-1", Some("pc-1")),
     )
@@ -179,12 +141,12 @@ async fn rest_dispatch_by_capability_and_ufo_dispatch(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
         .await
         .expect("stack");
-    let mut device = registered(
+    let mut device = Client::registered(
         &stack.ws_url(0),
         frames::device_register_with("excel-box", &["excel"]),
     )
     .await;
-    online(&stack, "excel-box").await;
+    stack.wait_online("excel-box").await;
     let base = stack.sessions_url();
 
     // By capability, no target.
@@ -305,9 +267,10 @@ async fn frames_larger_than_a_bus_message_travel_both_ways(backend: Backend) {
     )
     .await
     .expect("stack");
-    let mut device = registered(&stack.ws_url(1), device_register("cam-1", "windows")).await;
-    online(&stack, "cam-1").await;
-    let mut galaxy = registered(
+    let mut device =
+        Client::registered(&stack.ws_url(1), device_register("cam-1", "windows")).await;
+    stack.wait_online("cam-1").await;
+    let mut galaxy = Client::registered(
         &stack.ws_url(0),
         constellation_register("g@cam-1", Some("cam-1")),
     )

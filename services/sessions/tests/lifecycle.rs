@@ -5,56 +5,19 @@ use aip_bus::Headers;
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register, one_step,
 };
-use aip_testkit::{Backend, Client, Options, Stack, both_backends, eventually};
+use aip_testkit::{
+    Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
+};
 use futures::StreamExt;
 use serde_json::{Value, json};
-
-async fn get_json(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url).await.expect("request");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn post_json(url: &str, body: &Value) -> (u16, Value) {
-    let response = reqwest::Client::new()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn registered(url: &str, frame: Value) -> Client {
-    let mut client = Client::connect(url).await.expect("connect");
-    client.send(&frame).await.expect("send");
-    let reply = client.recv().await.expect("registration answer");
-    assert_eq!(reply["type"], "heartbeat", "registration refused: {reply}");
-    client
-}
-
-async fn online(stack: &Stack, id: &str) {
-    let url = format!("{}/api/clients", stack.registry_url());
-    eventually(&format!("{id} online"), || async {
-        let (_, body) = get_json(&url).await;
-        body["online_clients"]
-            .as_array()?
-            .iter()
-            .any(|c| c == id)
-            .then_some(())
-    })
-    .await
-    .expect("online");
-}
 
 /// A device and a constellation bound to it, and a started task whose first command the
 /// device has received.
 async fn running_task(stack: &Stack, device: &str, session: &str) -> (Client, Client, Value) {
-    let mut dev = registered(&stack.ws_url(0), device_register(device, "windows")).await;
-    online(stack, device).await;
+    let mut dev = Client::registered(&stack.ws_url(0), device_register(device, "windows")).await;
+    stack.wait_online(device).await;
     let galaxy_id = format!("g@{device}");
-    let mut galaxy = registered(
+    let mut galaxy = Client::registered(
         &stack.ws_url(0),
         constellation_register(&galaxy_id, Some(device)),
     )
@@ -218,7 +181,8 @@ async fn bad_input_is_refused_and_disturbs_nothing(backend: Backend) {
     assert_eq!(status, 400, "{body}");
 
     // Results from someone who is not the executor.
-    let mut other = registered(&stack.ws_url(0), device_register("intruder", "linux")).await;
+    let mut other =
+        Client::registered(&stack.ws_url(0), device_register("intruder", "linux")).await;
     let mut forged = command_results_for("intruder", &command);
     other.send(&forged).await.expect("send");
     let refusal = other.recv_type("error").await.expect("refusal");
@@ -273,8 +237,8 @@ async fn one_task_at_a_time_per_device_in_priority_order(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
         .await
         .expect("stack");
-    let mut dev = registered(&stack.ws_url(0), device_register("pc-f", "linux")).await;
-    online(&stack, "pc-f").await;
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("pc-f", "linux")).await;
+    stack.wait_online("pc-f").await;
     let base = stack.sessions_url();
     let mut ids = Vec::new();
     for (name, priority) in [("first", 0), ("low", 1), ("high", 9)] {
@@ -311,8 +275,8 @@ async fn remote_planner_drives_the_task_and_its_absence_fails_clearly(backend: B
     let stack = Stack::start(backend, Options::default())
         .await
         .expect("stack");
-    let mut dev = registered(&stack.ws_url(0), device_register("pc-g", "mobile")).await;
-    online(&stack, "pc-g").await;
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("pc-g", "mobile")).await;
+    stack.wait_online("pc-g").await;
     let base = stack.sessions_url();
     let submit = || {
         let body = json!({ "version": 1, "description": "plan me", "originating_agent_id": "t", "target_id": "pc-g" });
@@ -379,8 +343,8 @@ async fn requester_drives_the_task_over_rest(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
         .await
         .expect("stack");
-    let mut dev = registered(&stack.ws_url(0), device_register("pc-h", "linux")).await;
-    online(&stack, "pc-h").await;
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("pc-h", "linux")).await;
+    stack.wait_online("pc-h").await;
     let base = stack.sessions_url();
     let body = json!({ "version": 1, "description": "driven", "originating_agent_id": "agent", "target_id": "pc-h", "driver": true });
     let (status, t) = post_json(&format!("{base}/api/tasks"), &body).await;
@@ -448,8 +412,8 @@ async fn nats_submission_and_the_event_stream(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
         .await
         .expect("stack");
-    let mut dev = registered(&stack.ws_url(0), device_register("pc-i", "linux")).await;
-    online(&stack, "pc-i").await;
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("pc-i", "linux")).await;
+    stack.wait_online("pc-i").await;
     let subject = format!("{}.sessions.submit", stack.prefix);
     let request = json!({ "version": 1, "description": "over nats", "originating_agent_id": "llm-agent",
         "target_id": "pc-i", "steps": one_step("echo", json!({ "n": 1 })) });
