@@ -2,6 +2,7 @@
 # The project's test command:  ./scripts/test.sh [extra arguments for cargo test]
 #
 #   1. scripts/ensure-services.sh  (NATS with JetStream, PostgreSQL; starts or installs them)
+#      and the Python packages of the examples' tests (pip, scripts/python-requirements.txt)
 #   2. cargo test --workspace --locked [args]   (without --workspace when args pick packages with -p)
 #   3. validates proto-schemas/asyncapi.json with the AsyncAPI parser
 #      (scripts/validate-asyncapi, installed with `npm ci` on first use)
@@ -38,6 +39,18 @@ ASYNCAPI_DOC="proto-schemas/asyncapi.json"
 
 step "services (scripts/ensure-services.sh)"
 scripts/ensure-services.sh
+
+step "Python packages for the examples' tests (scripts/python-requirements.txt)"
+if command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
+  if python3 -m pip install -q --disable-pip-version-check -r scripts/python-requirements.txt; then
+    # Installed: the example tests must run, not skip.
+    export AIP_REQUIRE_PYTHON_EXAMPLES="${AIP_REQUIRE_PYTHON_EXAMPLES:-1}"
+  else
+    echo "test.sh: WARNING: pip could not install scripts/python-requirements.txt; the Python example tests will skip" >&2
+  fi
+else
+  echo "test.sh: WARNING: python3 with pip not found; the Python example tests will skip" >&2
+fi
 
 # `--workspace` would override a package selection (-p/--package) given as an argument.
 scope=(--workspace)

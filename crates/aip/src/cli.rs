@@ -54,6 +54,8 @@ pub enum Command {
         #[command(subcommand)]
         command: AgentsCommand,
     },
+    /// Load a running broker with real AIP clients and report rates, latencies and costs.
+    Bench(aip_bench::BenchArgs),
 }
 
 /// `aip dev`.
@@ -68,7 +70,8 @@ pub struct DevArgs {
     /// Address of the one listener: WebSocket /ws and the REST API (port 0: any free port).
     #[arg(long, default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
-    /// Where the embedded SQLite database lives (created when missing).
+    /// Where the embedded SQLite database lives (created when missing; unused with
+    /// --database-url).
     #[arg(long, default_value = ".aip-dev")]
     pub data_dir: PathBuf,
     /// Use this NATS server instead of the in-process bus (needed for remote planners and
@@ -169,7 +172,8 @@ pub struct RestArgs {
         (tool_type action). They run in the order given. Without steps the broker asks a remote \
         planner on the bus (`aip dev --nats-url …` and e.g. examples/python_planner.py).\n\n\
         Exit codes: 0 the task completed; 1 it failed, was canceled or rejected; 2 bad \
-        arguments; 3 the broker is not reachable or refused the task.\n\n\
+        arguments; 3 the broker is not reachable or refused the task; 130 you stopped following \
+        with Ctrl-C (the task goes on).\n\n\
         Example:\n  aip dispatch --capability demo --tool echo --args '{\"text\":\"hi\"}' \"say hi\""
 )]
 pub struct DispatchArgs {

@@ -4,7 +4,8 @@
 //! build them, on one bus and one database: by default the in-process bus
 //! ([`aip_bus::LocalBus`]) and an SQLite file in the data directory, so nothing else has to
 //! run; `--nats-url` and `--database-url` switch to NATS and PostgreSQL. Their routers are
-//! served together on one address ([`router`]):
+//! served together on one address: [`router`] hands each request to the service that owns its
+//! path ([`owner`]):
 //!
 //! | path | served by |
 //! | --- | --- |
@@ -30,25 +31,39 @@ use aip_bus::{LocalBus, NatsBus, SharedBus};
 use aip_store::Database;
 use anyhow::{Context, bail};
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
 
 use crate::UsageError;
 use crate::cli::{DEFAULT_LISTEN, DevArgs};
 
-/// The registry's paths; every other path except `/ws` and the probes goes to the session
-/// service.
-pub const REGISTRY_PATHS: &[&str] = &[
-    "/api/agents",
-    "/api/agents/{id}",
-    "/api/clients",
-    "/api/health",
-];
+/// The service that answers a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// `/ws`.
+    Gateway,
+    /// `/api/agents…`, `/api/clients`, `/api/health`.
+    Registry,
+    /// Everything else: `/api/tasks…`, `/api/dispatch`, `/api/task_result/…`, `/openapi.json`
+    /// (and the 404s).
+    Sessions,
+}
+
+/// Which service owns `path` (`/healthz` and `/readyz` are answered before this is asked).
+pub fn owner(path: &str) -> Owner {
+    match path {
+        "/ws" => Owner::Gateway,
+        "/api/agents" | "/api/clients" | "/api/health" => Owner::Registry,
+        p if p.starts_with("/api/agents/") => Owner::Registry,
+        _ => Owner::Sessions,
+    }
+}
 
 /// The SQLite file inside the data directory.
 pub const DATABASE_FILE: &str = "aip.db";
@@ -65,8 +80,8 @@ pub struct DevInfo {
     pub ws_url: String,
     /// `http://…`.
     pub rest_url: String,
-    /// The data directory (absolute).
-    pub data_dir: PathBuf,
+    /// The data directory (absolute), when the database is the default SQLite file in it.
+    pub data_dir: Option<PathBuf>,
     /// The database URL, password masked.
     pub database: String,
     /// The bus, in words.
@@ -126,15 +141,37 @@ fn unavailable(detail: String) -> Response {
         .into_response()
 }
 
-/// The one router: `/ws` to the gateway, [`REGISTRY_PATHS`] to the registry, the probes
-/// answered here, everything else to the session service. Each service's router keeps its
-/// own authentication (API keys on `/api/*`, tokens on `/ws`).
-pub fn router(gateway: Router, registry: Router, sessions: Router, health: Router) -> Router {
-    let mut app = Router::new().route_service("/ws", gateway.into_service());
-    for path in REGISTRY_PATHS {
-        app = app.route_service(path, registry.clone().into_service());
+/// The three services' routers.
+#[derive(Clone)]
+pub struct Services {
+    /// The gateway's.
+    pub gateway: Router,
+    /// The registry's.
+    pub registry: Router,
+    /// The session service's.
+    pub sessions: Router,
+}
+
+/// Hands a request, untouched (WebSocket upgrades included), to the router of its [`owner`].
+async fn dispatch(State(services): State<Services>, request: Request) -> Response {
+    let router = match owner(request.uri().path()) {
+        Owner::Gateway => services.gateway,
+        Owner::Registry => services.registry,
+        Owner::Sessions => services.sessions,
+    };
+    match router.oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
     }
-    app.merge(health).fallback_service(sessions.into_service())
+}
+
+/// The one router: the probes answered here (`health`), every other request handed to its
+/// [`owner`]. Each service's router keeps its own authentication (API keys on `/api/*`, tokens
+/// on `/ws`). A path-level hand-over rather than `Router::merge`: the services' routers
+/// overlap (each has `/healthz`, `/readyz`), and nesting one router's parameters inside
+/// another's would confuse their `Path` extractors.
+pub fn router(services: Services, health: Router) -> Router {
+    health.merge(Router::new().fallback(dispatch).with_state(services))
 }
 
 fn display_addr(addr: SocketAddr) -> SocketAddr {
@@ -169,18 +206,21 @@ impl DevServer {
         })?;
         let addr = listener.local_addr().context("reading the bound address")?;
 
-        std::fs::create_dir_all(&args.data_dir).with_context(|| {
-            format!(
-                "cannot create the data directory {}",
-                args.data_dir.display()
-            )
-        })?;
-        let data_dir = std::fs::canonicalize(&args.data_dir)
-            .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
-        let database_url = args
-            .database_url
-            .clone()
-            .unwrap_or_else(|| sqlite_url(&data_dir));
+        // The data directory holds the default SQLite database; with --database-url it is unused.
+        let (database_url, data_dir) = match &args.database_url {
+            Some(url) => (url.clone(), None),
+            None => {
+                std::fs::create_dir_all(&args.data_dir).with_context(|| {
+                    format!(
+                        "cannot create the data directory {}",
+                        args.data_dir.display()
+                    )
+                })?;
+                let dir = std::fs::canonicalize(&args.data_dir)
+                    .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
+                (sqlite_url(&dir), Some(dir))
+            }
+        };
 
         let (bus, bus_text): (SharedBus, String) = match &args.nats_url {
             Some(url) => (
@@ -236,9 +276,11 @@ impl DevServer {
                 stopping: stopping.clone(),
             });
         let router = router(
-            gateway.router(),
-            registry.router(),
-            sessions.router(),
+            Services {
+                gateway: gateway.router(),
+                registry: registry.router(),
+                sessions: sessions.router(),
+            },
             health,
         );
         let shown = display_addr(addr);
@@ -298,10 +340,10 @@ impl DevServer {
 
         let failure: Option<String> = tokio::select! {
             () = shutdown => None,
-            r = &mut server => Some(format!("the listener stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
-            r = &mut gateway_task => Some(format!("the gateway stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
-            r = &mut sessions_task => Some(format!("the session service stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
-            r = &mut registry_task => Some(format!("the registry stopped: {}", joined(r.map(|r| r.map_err(anyhow::Error::from))))),
+            r = &mut server => Some(stopped_early("the listener", r)),
+            r = &mut gateway_task => Some(stopped_early("the gateway", r)),
+            r = &mut sessions_task => Some(stopped_early("the session service", r)),
+            r = &mut registry_task => Some(stopped_early("the registry", r)),
         };
         if let Some(failure) = &failure {
             tracing::error!("{failure}; shutting down");
@@ -332,11 +374,15 @@ impl DevServer {
     }
 }
 
-fn joined(result: Result<anyhow::Result<()>, tokio::task::JoinError>) -> String {
+/// Says how a part that should have kept running stopped.
+fn stopped_early<E: std::fmt::Display>(
+    part: &str,
+    result: Result<Result<(), E>, tokio::task::JoinError>,
+) -> String {
     match result {
-        Ok(Ok(())) => "without an error".to_owned(),
-        Ok(Err(e)) => format!("{e:#}"),
-        Err(e) => format!("its task ended: {e}"),
+        Ok(Ok(())) => format!("{part} stopped unexpectedly"),
+        Ok(Err(e)) => format!("{part} failed: {e}"),
+        Err(e) => format!("{part} failed: {e}"),
     }
 }
 
@@ -376,7 +422,7 @@ pub fn banner(info: &DevInfo) -> String {
          \x20 REST       {rest_url}/api  (OpenAPI: {rest_url}/openapi.json)\n\
          \x20 bus        {bus}\n\
          \x20 database   {database}\n\
-         \x20 data dir   {data_dir}\n\
+         {data_dir}\
          \n\
          Next, in other terminals:\n\
          \x20 aip device{device_url} --id demo-pc --capability demo\n\
@@ -387,7 +433,11 @@ pub fn banner(info: &DevInfo) -> String {
         rest_url = info.rest_url,
         bus = info.bus,
         database = info.database,
-        data_dir = info.data_dir.display(),
+        data_dir = info
+            .data_dir
+            .as_ref()
+            .map(|d| format!("  data dir   {}\n", d.display()))
+            .unwrap_or_default(),
     )
 }
 
@@ -425,13 +475,14 @@ mod tests {
             addr: "127.0.0.1:5000".parse().expect("addr"),
             ws_url: "ws://127.0.0.1:5000/ws".into(),
             rest_url: "http://127.0.0.1:5000".into(),
-            data_dir: "/tmp/x".into(),
+            data_dir: Some("/tmp/x".into()),
             database: "sqlite:///tmp/x/aip.db".into(),
             bus: "in-process".into(),
         };
         let text = banner(&info);
         assert!(text.contains("ws://127.0.0.1:5000/ws"));
         assert!(text.contains("ws://localhost:5000/ws"));
+        assert!(text.contains("data dir   /tmp/x"));
         assert!(text.contains("aip device --id demo-pc --capability demo"));
         assert!(text.contains(
             r#"aip dispatch --capability demo --tool echo --args '{"text":"hi"}' "say hi""#
@@ -446,6 +497,31 @@ mod tests {
         assert!(text.contains("aip device --url ws://127.0.0.1:6000/ws --id demo-pc"));
         assert!(text.contains("aip dispatch --rest http://127.0.0.1:6000 --capability"));
         assert!(!text.contains("localhost:5000"));
+    }
+
+    #[test]
+    fn paths_go_to_their_service() {
+        assert_eq!(owner("/ws"), Owner::Gateway);
+        for path in [
+            "/api/agents",
+            "/api/agents/pc-1",
+            "/api/clients",
+            "/api/health",
+        ] {
+            assert_eq!(owner(path), Owner::Registry, "{path}");
+        }
+        for path in [
+            "/api/tasks",
+            "/api/tasks/x/events/stream",
+            "/api/dispatch",
+            "/api/task_result/t",
+            "/openapi.json",
+            "/nope",
+            "/ws/x",
+            "/api/agentsx",
+        ] {
+            assert_eq!(owner(path), Owner::Sessions, "{path}");
+        }
     }
 
     #[test]

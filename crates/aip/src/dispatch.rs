@@ -5,9 +5,9 @@ use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use proto_schemas::V1;
 use proto_schemas::flow::TaskRequest;
 use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
+use serde_json::{Value, json};
 
 use crate::cli::DispatchArgs;
 use crate::output::{self, ToolNames};
@@ -19,27 +19,38 @@ const INTERRUPTED: u8 = 130;
 
 /// Builds the REST body from the arguments.
 pub fn task_request(args: &DispatchArgs) -> Result<TaskRequest, UsageError> {
-    let data = match &args.data {
+    let data: Option<Value> = match &args.data {
         None => None,
         Some(text) => Some(
             serde_json::from_str(text)
                 .map_err(|e| UsageError(format!("--data is not valid JSON ({e}): {text}")))?,
         ),
     };
-    Ok(TaskRequest {
-        version: V1,
-        task_id: None,
-        description: args.request.clone(),
-        data,
-        originating_agent_id: args.from.clone(),
-        callback_url: None,
-        priority: args.priority,
-        target_id: args.target.clone(),
-        required_capabilities: args.capabilities.clone(),
-        task_name: args.name.clone(),
-        steps: steps::build(&args.step_sources)?,
-        timeout_secs: args.timeout,
-    })
+    // Built as JSON so that fields added to TaskRequest later keep their defaults.
+    let mut body = json!({
+        "version": 1,
+        "description": args.request,
+        "originating_agent_id": args.from,
+        "required_capabilities": args.capabilities,
+    });
+    let optional = [
+        ("target_id", args.target.clone().map(Value::from)),
+        ("task_name", args.name.clone().map(Value::from)),
+        ("data", data),
+        ("priority", args.priority.map(Value::from)),
+        ("timeout_secs", args.timeout.map(Value::from)),
+        (
+            "steps",
+            steps::build(&args.step_sources)?
+                .map(|s| serde_json::to_value(s).unwrap_or(Value::Null)),
+        ),
+    ];
+    for (key, value) in optional {
+        if let Some(value) = value {
+            body[key] = value;
+        }
+    }
+    serde_json::from_value(body).map_err(|e| UsageError(format!("invalid task: {e}")))
 }
 
 /// Runs `aip dispatch`; the result is the process's exit code.

@@ -48,6 +48,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Dispatch(args) => dispatch::run(args).await,
         Command::Tasks { command } => query::tasks(command).await.map(|()| exit::OK),
         Command::Agents { command } => query::agents(command).await.map(|()| exit::OK),
+        Command::Bench(args) => bench(args).await,
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -61,4 +62,16 @@ pub async fn run(cli: Cli) -> ExitCode {
             ExitCode::from(code)
         }
     }
+}
+
+/// `aip bench`: runs a scenario and prints a table, or JSON with `--json`.
+async fn bench(args: aip_bench::BenchArgs) -> anyhow::Result<u8> {
+    let json = args.options.json;
+    let report = aip_bench::run(args).await?;
+    if json {
+        report.print_json()?;
+    } else {
+        report.print_table();
+    }
+    Ok(exit::OK)
 }

@@ -55,7 +55,16 @@ fn python_device_answers_dispatched_tasks() {
     let mut device = Proc::spawn(
         "python_device.py",
         "python3",
-        &["-u", &script, "--url", &ws, "--id", "py-pc", "--capability", "py"],
+        &[
+            "-u",
+            &script,
+            "--url",
+            &ws,
+            "--id",
+            "py-pc",
+            "--capability",
+            "py",
+        ],
         &[],
     );
     device.wait_for_stdout("registration", |out| {
@@ -64,25 +73,74 @@ fn python_device_answers_dispatched_tasks() {
     wait_available(&rest, "py-pc");
 
     let run = aip(&[
-        "dispatch", "--rest", &rest, "--capability", "py", "--tool", "upper", "--args",
-        r#"{"text":"hi"}"#, "--json", "shout",
+        "dispatch",
+        "--rest",
+        &rest,
+        "--capability",
+        "py",
+        "--tool",
+        "upper",
+        "--args",
+        r#"{"text":"hi"}"#,
+        "--json",
+        "shout",
     ]);
     assert_eq!(run.code, Some(0), "{run:?}\n{}", device.output());
     let task = run.json();
     assert_eq!(task["state"], "completed");
-    assert_eq!(task["result"][0]["results"][0]["result"]["text"], "HI", "{task}");
+    assert_eq!(
+        task["result"][0]["results"][0]["result"]["text"], "HI",
+        "{task}"
+    );
 
     // A failing Command makes the rest of its step `skipped`, as UFO's device does.
-    let step = r#"[{"tool_name":"nope","tool_type":"action"},{"tool_name":"echo","tool_type":"action"}]"#;
-    let run = aip(&["dispatch", "--rest", &rest, "--target", "py-pc", "--step", step, "--json", "x"]);
+    let step =
+        r#"[{"tool_name":"nope","tool_type":"action"},{"tool_name":"echo","tool_type":"action"}]"#;
+    let run = aip(&[
+        "dispatch", "--rest", &rest, "--target", "py-pc", "--step", step, "--json", "x",
+    ]);
     assert_eq!(run.code, Some(0), "{run:?}");
     let results = &run.json()["result"][0]["results"];
     assert_eq!(results[0]["status"], "failure", "{results}");
-    assert!(results[0]["error"].as_str().is_some_and(|e| e.contains("unknown tool `nope`")));
+    assert!(
+        results[0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("unknown tool `nope`"))
+    );
     assert_eq!(results[1]["status"], "skipped", "{results}");
     device.wait_for_stdout("the device's log of task_end", |out| {
         out.contains("task_end completed").then_some(())
     });
+}
+
+/// Deletes the JetStream streams `aip dev --subject-prefix <prefix>` created, when dropped (the
+/// NATS server is shared with other tests and runs).
+struct Streams {
+    nats: String,
+    prefix: String,
+}
+
+impl Drop for Streams {
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async {
+            use aip_bus::Bus as _;
+            let Ok(bus) = aip_bus::NatsBus::connect(&self.nats, "aip-test-cleanup").await else {
+                return;
+            };
+            let subjects = proto_schemas::Subjects::new(&self.prefix).expect("valid prefix");
+            for stream in [subjects.frames_stream(), subjects.blobs_stream()] {
+                if let Err(e) = bus.delete_stream(stream).await {
+                    eprintln!("test stream not deleted: {e}");
+                }
+            }
+        });
+    }
 }
 
 #[test]
@@ -93,10 +151,21 @@ fn python_planner_plans_a_task_over_nats() {
     let data = TempDir::new("pyplanner");
     let prefix = format!("t_{}", uuid::Uuid::new_v4().simple());
     let nats = nats_url();
+    let _streams = Streams {
+        nats: nats.clone(),
+        prefix: prefix.clone(),
+    };
     let database = format!("sqlite://{}", data.path().join("planner.db").display());
     let (_dev, rest, ws) = start_dev(
         data.path(),
-        &["--nats-url", &nats, "--subject-prefix", &prefix, "--database-url", &database],
+        &[
+            "--nats-url",
+            &nats,
+            "--subject-prefix",
+            &prefix,
+            "--database-url",
+            &database,
+        ],
     );
     let script = example("python_planner.py");
     let mut planner = Proc::spawn(
@@ -105,21 +174,49 @@ fn python_planner_plans_a_task_over_nats() {
         &["-u", &script, "--nats-url", &nats, "--prefix", &prefix],
         &[],
     );
-    planner.wait_for_stdout("the planner", |out| out.contains("planner ready").then_some(()));
+    planner.wait_for_stdout("the planner", |out| {
+        out.contains("planner ready").then_some(())
+    });
     let mut device = Proc::aip(
         "aip device",
-        &["device", "--url", &ws, "--id", "planned-pc", "--capability", "plan"],
+        &[
+            "device",
+            "--url",
+            &ws,
+            "--id",
+            "planned-pc",
+            "--capability",
+            "plan",
+        ],
     );
     device.wait_for_stdout("registration", |out| {
         out.contains("registered as planned-pc").then_some(())
     });
     wait_available(&rest, "planned-pc");
 
-    let run = aip(&["dispatch", "--rest", &rest, "--capability", "plan", "--json", "hello planner"]);
-    assert_eq!(run.code, Some(0), "{run:?}\n{}\n{}", planner.output(), device.output());
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--capability",
+        "plan",
+        "--json",
+        "hello planner",
+    ]);
+    assert_eq!(
+        run.code,
+        Some(0),
+        "{run:?}\n{}\n{}",
+        planner.output(),
+        device.output()
+    );
     let task = run.json();
     assert_eq!(task["state"], "completed", "{task}");
     assert_eq!(task["result"]["planner"], "python", "{task}");
     assert_eq!(task["result"]["echoed"]["text"], "hello planner", "{task}");
-    assert!(planner.stdout().contains("\"decision\": \"complete\""), "{}", planner.output());
+    assert!(
+        planner.stdout().contains("\"decision\": \"complete\""),
+        "{}",
+        planner.output()
+    );
 }

@@ -27,6 +27,7 @@ async fn registered(url: &str, frame: Value) -> Client {
 
 #[test]
 fn ufo_device_and_constellation_through_aip_dev() {
+    aip_runtime::install_crypto_provider();
     let data = TempDir::new("ufo");
     let (dev, rest, ws) = start_dev(data.path(), &[]);
     let runtime = tokio::runtime::Builder::new_multi_thread()

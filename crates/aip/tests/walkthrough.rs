@@ -18,7 +18,15 @@ fn walkthrough_survives_a_restart() {
 
     let mut device = Proc::aip(
         "aip device",
-        &["device", "--url", &ws, "--id", "demo-pc", "--capability", "demo"],
+        &[
+            "device",
+            "--url",
+            &ws,
+            "--id",
+            "demo-pc",
+            "--capability",
+            "demo",
+        ],
     );
     device.wait_for_stdout("registration", |out| {
         out.contains("registered as demo-pc").then_some(())
@@ -48,20 +56,54 @@ fn walkthrough_survives_a_restart() {
         .nth(1)
         .expect("task id")
         .to_owned();
-    assert!(run.stdout.contains("step 1: sent echo"), "live progress: {run:?}");
-    assert!(run.stdout.contains(r#"{"text":"hi"}"#), "the result: {run:?}");
+    assert!(
+        run.stdout.contains("step 1: sent echo"),
+        "live progress: {run:?}"
+    );
+    assert!(
+        run.stdout.contains(r#"{"text":"hi"}"#),
+        "the result: {run:?}"
+    );
     device.wait_for_stdout("the device's log of the task", |out| {
         (out.contains("ran echo") && out.contains(&format!("task {task_id}: task_end completed")))
             .then_some(())
     });
 
+    // UFO's POST /api/dispatch: the device echoes the server `task` frame, as UFO's does.
+    let dispatched = post_json(
+        &format!("{rest}/api/dispatch"),
+        serde_json::json!({ "client_id": "demo-pc", "request": "say hi the UFO way",
+            "task_name": "ufo-1", "steps": [[{ "tool_name": "echo", "tool_type": "action" }]] }),
+    );
+    assert_eq!(dispatched["status"], "dispatched", "{dispatched}");
+    let session = dispatched["session_id"]
+        .as_str()
+        .expect("session_id")
+        .to_owned();
+    device.wait_for_stdout("the dispatched task's end", |out| {
+        out.contains(&format!("task {session}: task_end completed"))
+            .then_some(())
+    });
+    let run = aip(&["tasks", "get", &session, "--json", "--rest", &rest]);
+    assert_eq!(run.json()["task_name"], "ufo-1", "{run:?}");
+
     // Unknown tool: the device answers with a failure; the scripted task still completes.
     let run = aip(&[
-        "dispatch", "--rest", &rest, "--target", "demo-pc", "--tool", "format_disk", "x",
+        "dispatch",
+        "--rest",
+        &rest,
+        "--target",
+        "demo-pc",
+        "--tool",
+        "format_disk",
+        "x",
     ]);
     assert_eq!(run.code, Some(0), "{run:?}");
     assert!(run.stdout.contains("unknown tool `format_disk`"), "{run:?}");
-    assert!(run.stdout.contains("warning: 1 command(s) failed"), "{run:?}");
+    assert!(
+        run.stdout.contains("warning: 1 command(s) failed"),
+        "{run:?}"
+    );
 
     // Nobody has the capability: refused, with the broker's reason, exit code 3.
     let run = aip(&["dispatch", "--rest", &rest, "--capability", "quantum", "x"]);
@@ -69,13 +111,24 @@ fn walkthrough_survives_a_restart() {
     assert!(run.stderr.contains("CAPABILITY_MISMATCH"), "{run:?}");
 
     // No steps and no planner on the in-process bus: the task fails, exit code 1.
-    let run = aip(&["dispatch", "--rest", &rest, "--target", "demo-pc", "plan it yourself"]);
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--target",
+        "demo-pc",
+        "plan it yourself",
+    ]);
     assert_eq!(run.code, Some(1), "{run:?}");
     assert!(run.stdout.contains("no planner is running"), "{run:?}");
 
     // Graceful stop; the device keeps trying to reconnect.
     let status = dev.terminate();
-    assert!(status.success(), "aip dev exits cleanly on SIGTERM: {status}\n{}", dev.output());
+    assert!(
+        status.success(),
+        "aip dev exits cleanly on SIGTERM: {status}\n{}",
+        dev.output()
+    );
     device.wait_for_stdout("the device noticing", |out| {
         out.contains("reconnecting in").then_some(())
     });
@@ -93,7 +146,10 @@ fn walkthrough_survives_a_restart() {
     let task = run.json();
     assert_eq!(task["state"], "completed", "{task}");
     assert_eq!(task["executor_id"], "demo-pc");
-    assert_eq!(task["result"][0]["results"][0]["result"]["text"], "hi", "{task}");
+    assert_eq!(
+        task["result"][0]["results"][0]["result"]["text"], "hi",
+        "{task}"
+    );
     assert!(task["events"].as_i64().is_some_and(|n| n >= 5), "{task}");
 
     let run = aip(&["tasks", "events", &task_id, "--json", "--rest", &rest]);
@@ -106,7 +162,13 @@ fn walkthrough_survives_a_restart() {
         .collect();
     assert_eq!(
         kinds,
-        ["submitted", "dispatched", "command_sent", "results_received", "completed"]
+        [
+            "submitted",
+            "dispatched",
+            "command_sent",
+            "results_received",
+            "completed"
+        ]
     );
 
     let run = aip(&["tasks", "get", &task_id, "--rest", &rest]);
@@ -119,7 +181,27 @@ fn walkthrough_survives_a_restart() {
     assert!(run.stdout.contains(&task_id), "{run:?}");
     let run = aip(&["agents", "get", "demo-pc", "--rest", &rest]);
     assert_eq!(run.code, Some(0), "{run:?}");
-    assert!(run.stdout.contains("demo") && run.stdout.contains("list_tools"), "{run:?}");
+    assert!(
+        run.stdout.contains("demo") && run.stdout.contains("list_tools"),
+        "{run:?}"
+    );
+}
+
+fn post_json(url: &str, body: serde_json::Value) -> serde_json::Value {
+    aip_runtime::install_crypto_provider();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let response = reqwest::Client::new()
+            .post(url)
+            .json(&body)
+            .send()
+            .await
+            .expect("request");
+        response.json().await.expect("a JSON answer")
+    })
 }
 
 #[test]
@@ -129,10 +211,28 @@ fn dispatch_says_when_the_broker_is_not_running() {
         .map(|a| a.port())
         .expect("a free port");
     let rest = format!("http://127.0.0.1:{port}");
-    let run = aip(&["dispatch", "--rest", &rest, "--capability", "demo", "--tool", "echo", "hi"]);
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--capability",
+        "demo",
+        "--tool",
+        "echo",
+        "hi",
+    ]);
     assert_eq!(run.code, Some(3), "{run:?}");
     assert!(run.stderr.contains("cannot reach the broker"), "{run:?}");
     assert!(run.stderr.contains("aip dev"), "{run:?}");
-    let run = aip(&["dispatch", "--rest", &rest, "--capability", "demo", "--args", "{}", "hi"]);
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--capability",
+        "demo",
+        "--args",
+        "{}",
+        "hi",
+    ]);
     assert_eq!(run.code, Some(2), "usage error: {run:?}");
 }

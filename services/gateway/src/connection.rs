@@ -103,6 +103,7 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
         recent_deliveries: aip_bus::RecentIds::new(1024),
         limiter: RateLimiter::new(state.settings.gateway.frames_per_second),
         refused_in_a_row: 0,
+        input_left_unread: false,
     };
     let ended = conn.run(&mut stream).await;
     tracing::debug!(connection = %conn.connection_id, reason = %ended.reason, "connection ended");
@@ -111,9 +112,36 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
         conn.announce_closed(identity, &ended.reason).await;
         conn.unregister(identity, &ended.reason).await;
     }
+    let input_left_unread = conn.input_left_unread;
     drop(conn);
-    let _ = writer.await;
+    // The closing handshake: read (and discard) until the client answers the close frame or
+    // goes away, while the writer sends what is queued and the close. Dropping the socket
+    // with unread input would reset the connection and lose the last frames (the ERROR
+    // saying why); a client that does not finish within CLOSE_GRACE (one that stopped
+    // reading, say) is dropped anyway, so it cannot keep its connection slot.
+    let mut writer = writer;
+    let drain = async {
+        while let Some(Ok(message)) = stream.next().await {
+            if let Message::Close(_) = message {
+                break;
+            }
+        }
+    };
+    if tokio::time::timeout(CLOSE_GRACE, futures::future::join(drain, &mut writer))
+        .await
+        .is_err()
+    {
+        writer.abort();
+    } else if input_left_unread {
+        // Part of a frame over the limit is still unread, so dropping the socket resets the
+        // connection, and a reset overtakes the ERROR and close frame on their way to the
+        // client: hold the socket a moment for them to arrive.
+        tokio::time::sleep(CLOSE_GRACE / 4).await;
+    }
 }
+
+/// How long an ended connection may take to finish the closing handshake.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 struct Connection {
     state: Arc<AppState>,
@@ -127,6 +155,8 @@ struct Connection {
     recent_deliveries: aip_bus::RecentIds,
     limiter: RateLimiter,
     refused_in_a_row: u32,
+    /// The rest of an oversized frame is left unread (the socket cannot be drained).
+    input_left_unread: bool,
 }
 
 type FrameStream = futures::stream::SplitStream<WebSocket>;
@@ -193,7 +223,10 @@ impl Connection {
         // 2. Registered: frames both ways until the end.
         let liveness_timeout = Duration::from_millis(settings.liveness_timeout_ms);
         let mut last_activity = Instant::now();
-        let mut ping = tokio::time::interval(Duration::from_millis(settings.ping_interval_ms));
+        // Ping at least three times per liveness window, or a client that answers pings but
+        // has nothing to send would be taken for dead.
+        let ping_every = Duration::from_millis(settings.ping_interval_ms).min(liveness_timeout / 3);
+        let mut ping = tokio::time::interval(ping_every);
         ping.tick().await;
         let mut check = tokio::time::interval(liveness_timeout / 4);
         check.tick().await;
@@ -243,7 +276,7 @@ impl Connection {
                 }
                 _ = check.tick() => {
                     if last_activity.elapsed() > liveness_timeout {
-                        let text = format!("no frames or pongs for {} s", liveness_timeout.as_secs());
+                        let text = format!("no frames or pongs for {} ms", liveness_timeout.as_millis());
                         self.close(close::GOING_AWAY, &text);
                         return Ended { reason: format!("liveness timeout: {text}") };
                     }
@@ -256,7 +289,7 @@ impl Connection {
         }
     }
 
-    fn read_failed(&self, e: axum::Error) -> Ended {
+    fn read_failed(&mut self, e: axum::Error) -> Ended {
         let text = e.to_string();
         if text.contains("Space limit exceeded")
             || text.contains("too long")
@@ -266,6 +299,7 @@ impl Connection {
             let reason = format!("frame larger than the limit of {limit} bytes");
             self.send(server::error(ErrorCode::FrameTooLarge, &reason));
             self.close(close::TOO_BIG, &reason);
+            self.input_left_unread = true;
             return Ended { reason };
         }
         Ended {

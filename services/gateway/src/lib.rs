@@ -95,9 +95,17 @@ impl Application {
                  or gateway.allow_no_auth = true (AIP_GATEWAY__ALLOW_NO_AUTH=true) for a trusted network"
             )));
         }
-        if settings.gateway.outbound_queue == 0 || settings.gateway.max_connections == 0 {
+        let g = &settings.gateway;
+        if g.outbound_queue == 0
+            || g.max_connections == 0
+            || g.ping_interval_ms == 0
+            || g.liveness_timeout_ms == 0
+            || g.presence_interval_ms == 0
+        {
             return Err(StartError::Config(
-                "gateway.outbound_queue and gateway.max_connections must be at least 1".into(),
+                "gateway.outbound_queue, max_connections, ping_interval_ms, liveness_timeout_ms \
+                 and presence_interval_ms must be at least 1"
+                    .into(),
             ));
         }
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);

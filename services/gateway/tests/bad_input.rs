@@ -131,16 +131,11 @@ async fn malformed_frames_after_register_get_precise_errors(backend: Backend) {
     padded["metadata"]["padding"] = json!("x".repeat(room + 1));
     bad.send(&padded).await;
     let closed = bad.closed().await;
-    // The gateway sends the ERROR, then a close 1009, then drops the TCP connection with the
-    // rest of the oversized frame unread, which resets it: the client may report the reset
-    // (no code) instead of the close frame, but never another code.
-    if let Some(code) = closed.code {
-        assert_eq!(code, 1009, "{closed:?}");
-        assert_eq!(
-            closed.reason,
-            format!("frame larger than the limit of {FRAME_LIMIT} bytes")
-        );
-    }
+    assert_eq!(closed.code, Some(1009), "{closed:?}");
+    assert_eq!(
+        closed.reason,
+        format!("frame larger than the limit of {FRAME_LIMIT} bytes")
+    );
     assert_eq!(closed.frames.len(), 1, "{closed:?}");
     common::assert_error(
         &closed.frames[0],
@@ -229,13 +224,27 @@ async fn the_first_frame_must_be_a_valid_register(backend: Backend) {
     let closed = ws.closed().await;
     assert_eq!(closed.code, Some(1002), "{closed:?}");
 
+    // A first frame over the limit: FRAME_TOO_LARGE, close 1009.
+    let mut huge = device_register("huge", "windows");
+    huge["metadata"]["padding"] = json!("x".repeat(FRAME_LIMIT));
+    let mut ws = Ws::connect(&url).await;
+    ws.send(&huge).await;
+    let closed = ws.closed().await;
+    assert_eq!(closed.code, Some(1009), "{closed:?}");
+    assert_eq!(closed.frames.len(), 1, "{closed:?}");
+    common::assert_error(
+        &closed.frames[0],
+        "FRAME_TOO_LARGE",
+        &format!("frame larger than the limit of {FRAME_LIMIT} bytes"),
+    );
+
     // An id of exactly 256 bytes (here 64 four-byte emoji) is fine.
     let longest = "😀".repeat(64);
     assert_eq!(longest.len(), 256);
     let mut ok = registered(&url, &device_register(&longest, "linux")).await;
     ok.heartbeat(&longest, "device").await;
     until_online(&stack, &longest).await;
-    for id in ["early", "mac", "info", "bin", "line\nbreak"] {
+    for id in ["early", "mac", "info", "bin", "huge", "line\nbreak"] {
         assert!(
             common::agent(&stack.registry_url(), id).await.is_none(),
             "{id}"

@@ -61,7 +61,9 @@ fn collect<R: Read + Send + 'static>(from: R, into: Arc<Mutex<String>>) {
         let mut reader = BufReader::new(from);
         let mut line = String::new();
         while reader.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
-            into.lock().unwrap_or_else(|p| p.into_inner()).push_str(&line);
+            into.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_str(&line);
             line.clear();
         }
     });
@@ -74,7 +76,10 @@ impl Proc {
         command
             .args(args)
             .envs(envs.iter().copied())
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -104,12 +109,18 @@ impl Proc {
 
     /// Its stdout so far.
     pub fn stdout(&self) -> String {
-        self.stdout.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.stdout
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Its stderr so far.
     pub fn stderr(&self) -> String {
-        self.stderr.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.stderr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Waits until `check` finds something in stdout; panics with the output otherwise.
@@ -141,7 +152,9 @@ impl Proc {
 
     /// Its exit status, if it has exited.
     pub fn try_status(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Sends SIGTERM (as Kubernetes or `kill` would) and waits for the exit, at most `WAIT`.

@@ -441,7 +441,9 @@ pub async fn raw_get(base: &str, path: &str) -> (u16, Value) {
         .await
         .unwrap_or_else(|e| panic!("connecting to {host}: {e}"));
     let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
-    tcp.write_all(request.as_bytes()).await.expect("request sent");
+    tcp.write_all(request.as_bytes())
+        .await
+        .expect("request sent");
     let mut response = Vec::new();
     tcp.read_to_end(&mut response).await.expect("response read");
     let text = String::from_utf8_lossy(&response);
@@ -464,8 +466,11 @@ pub async fn raw_get(base: &str, path: &str) -> (u16, Value) {
             if size == 0 {
                 break;
             }
-            decoded.push_str(&after[..size]);
-            rest = &after[size..].trim_start_matches("\r\n");
+            let (Some(chunk), Some(next)) = (after.get(..size), after.get(size..)) else {
+                panic!("malformed chunked body: {body}");
+            };
+            decoded.push_str(chunk);
+            rest = next.trim_start_matches("\r\n");
         }
         decoded
     } else {

@@ -1,0 +1,425 @@
+//! Where the broker is: the URLs checked (loopback unless allowed), the token put into the
+//! WebSocket URL, and reachability probes whose errors say how to start a broker.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use reqwest::Url;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite;
+
+use crate::args::RunOptions;
+
+/// Why the run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// A URL that cannot be used.
+    #[error("invalid {flag} `{url}`: {reason} (expected e.g. {example})")]
+    InvalidUrl {
+        /// `--url` or `--rest`.
+        flag: &'static str,
+        /// What was given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+        /// A good one.
+        example: &'static str,
+    },
+    /// The broker is not on this machine and --allow-remote was not given.
+    #[error(
+        "{flag} `{url}` is not a loopback address: aip bench loads only brokers on this machine \
+         (127.0.0.0/8, ::1, localhost) unless --allow-remote is given"
+    )]
+    NotLoopback {
+        /// `--url` or `--rest`.
+        flag: &'static str,
+        /// What was given.
+        url: String,
+    },
+    /// Nothing answers at the address.
+    #[error(
+        "cannot reach the broker at {url} ({reason}): it is not running there. Start one with \
+         `aip dev` (see the README) in another terminal, or point {flag} at a running broker"
+    )]
+    Unreachable {
+        /// `--url` or `--rest`.
+        flag: &'static str,
+        /// The address tried.
+        url: String,
+        /// What the connection attempt said.
+        reason: String,
+    },
+    /// The gateway refused the WebSocket handshake.
+    #[error("the broker at {url} refused the WebSocket handshake with HTTP {status}{hint}")]
+    HandshakeRefused {
+        /// The URL (without its token).
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// The REST API refused the probe.
+    #[error("the broker's REST API at {url} answered HTTP {status}: {detail}{hint}")]
+    RestRefused {
+        /// The URL called.
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// The body's `detail` (or its beginning).
+        detail: String,
+        /// What to do.
+        hint: &'static str,
+    },
+    /// A --server-pid that is not a readable process.
+    #[error("--server-pid {pid}: cannot read /proc/{pid} ({reason}); is the broker running?")]
+    NoSuchProcess {
+        /// The pid given.
+        pid: u32,
+        /// What reading it said.
+        reason: String,
+    },
+    /// Not enough file descriptors for the sockets of the run.
+    #[error(
+        "this run opens about {needed} sockets but this process may open only {limit} files: \
+         raise the limit (e.g. `ulimit -n {needed}`) or use fewer clients"
+    )]
+    TooFewFiles {
+        /// About how many are needed.
+        needed: u64,
+        /// The soft limit.
+        limit: u64,
+    },
+}
+
+/// The broker a run loads.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    /// WebSocket URL with the token, for connecting.
+    pub ws: String,
+    /// WebSocket URL as shown in reports (no token).
+    pub ws_shown: String,
+    /// Where to open TCP connections for the WebSocket.
+    pub ws_addr: ConnectAddr,
+    /// REST base URL (no trailing slash in its path).
+    pub rest: Url,
+    /// Headers of every REST request (the API key).
+    pub rest_headers: HeaderMap,
+}
+
+/// A host and port to connect to.
+#[derive(Debug, Clone)]
+pub(crate) enum ConnectAddr {
+    /// An IP literal.
+    Ip(SocketAddr),
+    /// A name, resolved at connect time.
+    Name(String, u16),
+}
+
+impl ConnectAddr {
+    /// Opens a TCP connection with Nagle off (small frames, latency matters).
+    pub async fn connect(&self) -> std::io::Result<TcpStream> {
+        let stream = match self {
+            ConnectAddr::Ip(addr) => TcpStream::connect(addr).await?,
+            ConnectAddr::Name(host, port) => TcpStream::connect((host.as_str(), *port)).await?,
+        };
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+}
+
+impl Target {
+    /// Checks the URLs of `options`; no connection is made.
+    pub fn from_options(options: &RunOptions) -> Result<Target, TargetError> {
+        let invalid_ws = |reason: &str| TargetError::InvalidUrl {
+            flag: "--url",
+            url: options.url.clone(),
+            reason: reason.to_owned(),
+            example: crate::args::DEFAULT_WS_URL,
+        };
+        let mut ws = Url::parse(&options.url).map_err(|e| invalid_ws(&e.to_string()))?;
+        match ws.scheme() {
+            "ws" => {}
+            "wss" => {
+                return Err(invalid_ws(
+                    "wss:// is not supported: bench a broker on this machine over ws://",
+                ));
+            }
+            other => return Err(invalid_ws(&format!("scheme `{other}` is not ws://"))),
+        }
+        let ws_addr = connect_addr(&ws).ok_or_else(|| invalid_ws("no host"))?;
+        if !options.allow_remote && !is_loopback(&ws) {
+            return Err(TargetError::NotLoopback {
+                flag: "--url",
+                url: options.url.clone(),
+            });
+        }
+        ws.set_fragment(None);
+        let ws_shown = ws.to_string();
+        if let Some(token) = &options.token {
+            ws.query_pairs_mut().append_pair("token", token);
+        }
+
+        let invalid_rest = |reason: &str| TargetError::InvalidUrl {
+            flag: "--rest",
+            url: options.rest.clone(),
+            reason: reason.to_owned(),
+            example: crate::args::DEFAULT_REST_URL,
+        };
+        let mut rest = Url::parse(&options.rest).map_err(|e| invalid_rest(&e.to_string()))?;
+        if rest.scheme() != "http" && rest.scheme() != "https" {
+            return Err(invalid_rest("expected http:// or https://"));
+        }
+        if rest.cannot_be_a_base() || rest.host().is_none() {
+            return Err(invalid_rest("no host"));
+        }
+        if !options.allow_remote && !is_loopback(&rest) {
+            return Err(TargetError::NotLoopback {
+                flag: "--rest",
+                url: options.rest.clone(),
+            });
+        }
+        rest.set_query(None);
+        rest.set_fragment(None);
+        let mut rest_headers = HeaderMap::new();
+        if let Some(key) = &options.api_key {
+            let value = HeaderValue::from_str(key).map_err(|_| TargetError::InvalidUrl {
+                flag: "--api-key",
+                url: "…".to_owned(),
+                reason: "not a valid header value".to_owned(),
+                example: "a printable key",
+            })?;
+            rest_headers.insert(HeaderName::from_static("x-api-key"), value);
+        }
+        Ok(Target {
+            ws: ws.to_string(),
+            ws_shown,
+            ws_addr,
+            rest,
+            rest_headers,
+        })
+    }
+
+    /// `rest` with these path segments added (each percent-encoded).
+    pub fn rest_url(&self, segments: &[&str]) -> Url {
+        let mut url = self.rest.clone();
+        if let Ok(mut path) = url.path_segments_mut() {
+            path.pop_if_empty();
+            path.extend(segments);
+        }
+        url
+    }
+
+    /// Opens one WebSocket and closes it without registering: the gateway is there and
+    /// accepts this run's token.
+    pub async fn probe_ws(&self) -> Result<(), TargetError> {
+        let unreachable = |reason: String| TargetError::Unreachable {
+            flag: "--url",
+            url: self.ws_shown.clone(),
+            reason,
+        };
+        let stream = self
+            .ws_addr
+            .connect()
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        match tokio_tungstenite::client_async(self.ws.as_str(), stream).await {
+            Ok((mut ws, _)) => {
+                let _ = ws.close(None).await;
+                Ok(())
+            }
+            Err(tungstenite::Error::Http(response)) => {
+                let status = response.status().as_u16();
+                Err(TargetError::HandshakeRefused {
+                    url: self.ws_shown.clone(),
+                    status,
+                    hint: match status {
+                        401 | 403 => ": the gateway wants a token: pass --token or AIP_TOKEN",
+                        404 => ": is the path right (usually /ws)?",
+                        503 => ": the gateway is at its connection limit",
+                        _ => "",
+                    },
+                })
+            }
+            Err(e) => Err(unreachable(format!("WebSocket handshake failed: {e}"))),
+        }
+    }
+
+    /// Lists one task over REST: the session service is there and accepts this run's key.
+    pub async fn probe_rest(&self, http: &reqwest::Client) -> Result<(), TargetError> {
+        let mut url = self.rest_url(&["api", "tasks"]);
+        url.set_query(Some("limit=1"));
+        let response =
+            http.get(url.clone())
+                .send()
+                .await
+                .map_err(|e| TargetError::Unreachable {
+                    flag: "--rest",
+                    url: self.rest.to_string(),
+                    reason: error_chain(&e),
+                })?;
+        let status = response.status().as_u16();
+        if response.status().is_success() {
+            return Ok(());
+        }
+        let text = response.text().await.unwrap_or_default();
+        let detail = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v["detail"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| text.chars().take(200).collect());
+        Err(TargetError::RestRefused {
+            url: url.to_string(),
+            status,
+            detail,
+            hint: match status {
+                401 | 403 => ". Pass the broker's key with --api-key or AIP_API_KEY",
+                404 => ". Is --rest the session service (or `aip dev`)?",
+                _ => "",
+            },
+        })
+    }
+}
+
+/// The host of a URL: an IP literal or a name.
+enum HostOf {
+    Ip(IpAddr),
+    Name(String),
+}
+
+fn host_of(url: &Url) -> Option<HostOf> {
+    let host = url.host_str()?;
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    Some(match bare.parse::<IpAddr>() {
+        Ok(ip) => HostOf::Ip(ip),
+        Err(_) => HostOf::Name(bare.trim_end_matches('.').to_ascii_lowercase()),
+    })
+}
+
+/// Whether the URL's host is this machine (decided on the URL alone: no name lookup).
+fn is_loopback(url: &Url) -> bool {
+    match host_of(url) {
+        Some(HostOf::Ip(IpAddr::V4(ip))) => ip.is_loopback(),
+        Some(HostOf::Ip(IpAddr::V6(ip))) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+        Some(HostOf::Name(name)) => name == "localhost" || name.ends_with(".localhost"),
+        None => false,
+    }
+}
+
+fn connect_addr(url: &Url) -> Option<ConnectAddr> {
+    let port = url.port_or_known_default()?;
+    Some(match host_of(url)? {
+        HostOf::Ip(ip) => ConnectAddr::Ip(SocketAddr::new(ip, port)),
+        HostOf::Name(name) if name == "localhost" => {
+            ConnectAddr::Ip(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port))
+        }
+        HostOf::Name(name) => ConnectAddr::Name(name, port),
+    })
+}
+
+/// The text of an error and its causes (`… : Connection refused`).
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text = format!("{text}: {cause_text}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The soft limit on open files, from /proc/self/limits.
+pub(crate) fn open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line.split_whitespace().nth(3)?;
+    if soft == "unlimited" {
+        return Some(u64::MAX);
+    }
+    soft.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{DEFAULT_REST_URL, DEFAULT_WS_URL};
+
+    fn options(url: &str, rest: &str) -> RunOptions {
+        RunOptions {
+            url: url.to_owned(),
+            rest: rest.to_owned(),
+            token: Some("a b&c".to_owned()),
+            api_key: None,
+            allow_remote: false,
+            max_seconds: 1,
+            timeout_secs: 1,
+            verify_seconds: 1,
+            server_pids: Vec::new(),
+            id_prefix: None,
+            json: false,
+            quiet: true,
+        }
+    }
+
+    #[test]
+    fn loopback_targets_are_accepted_and_the_token_goes_into_the_url() {
+        for url in [
+            DEFAULT_WS_URL,
+            "ws://localhost:5000/ws",
+            "ws://[::1]:5000/ws",
+            "ws://127.8.9.10:1/ws",
+        ] {
+            let target = Target::from_options(&options(url, DEFAULT_REST_URL)).expect(url);
+            assert!(target.ws.ends_with("?token=a+b%26c"), "{}", target.ws);
+            assert!(!target.ws_shown.contains("token"), "{}", target.ws_shown);
+        }
+    }
+
+    #[test]
+    fn remote_targets_are_refused_without_allow_remote() {
+        // No connection and no name lookup happen: the check is on the URL alone.
+        for (url, rest) in [
+            ("ws://192.0.2.1:5000/ws", DEFAULT_REST_URL),
+            ("ws://example.invalid:5000/ws", DEFAULT_REST_URL),
+            (DEFAULT_WS_URL, "http://10.0.0.1:5000"),
+        ] {
+            let error = Target::from_options(&options(url, rest)).expect_err(url);
+            assert!(
+                matches!(error, TargetError::NotLoopback { .. }),
+                "{url}: {error}"
+            );
+            assert!(error.to_string().contains("--allow-remote"), "{error}");
+        }
+        let mut allowed = options("ws://192.0.2.1:5000/ws", DEFAULT_REST_URL);
+        allowed.allow_remote = true;
+        assert!(Target::from_options(&allowed).is_ok());
+    }
+
+    #[test]
+    fn bad_urls_say_what_is_expected() {
+        let error = Target::from_options(&options("http://127.0.0.1:5000/ws", DEFAULT_REST_URL))
+            .expect_err("not ws");
+        assert!(
+            error.to_string().contains("ws://127.0.0.1:5000/ws"),
+            "{error}"
+        );
+        let error =
+            Target::from_options(&options(DEFAULT_WS_URL, "nonsense")).expect_err("bad rest");
+        assert!(error.to_string().contains("--rest"), "{error}");
+    }
+
+    #[test]
+    fn rest_paths_are_percent_encoded() {
+        let target = Target::from_options(&options(DEFAULT_WS_URL, "http://127.0.0.1:5000/"))
+            .expect("target");
+        let url = target.rest_url(&["api", "tasks", "a@b c/d", "events"]);
+        assert_eq!(
+            url.as_str(),
+            "http://127.0.0.1:5000/api/tasks/a@b%20c%2Fd/events"
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! Liveness and limits: a registered client that neither sends frames nor answers pings is
+//! closed and marked offline, while one that only answers pings stays; a client over the
+//! frame rate gets RATE_LIMITED and, if it keeps on, is closed; a client that does not read
+//! what it is sent is disconnected and gives its connection slot back. Others on the same
+//! gateway are not disturbed. Both backends.
+
+mod common;
+
+use std::time::Duration;
+
+use aip_bus::Headers;
+use aip_testkit::frames::{self, device_register};
+use aip_testkit::{Backend, Options, Stack, WAIT, both_backends, eventually};
+use common::{Ws, agent_status, custom_gateway, registered, until_offline, until_online};
+use proto_schemas::Subjects;
+use serde_json::json;
+
+/// Reads `ws` for `quiet` (so the gateway's pings get their pongs), failing on any frame.
+fn read_quietly(mut ws: Ws, quiet: Duration) -> tokio::task::JoinHandle<anyhow::Result<Ws>> {
+    tokio::spawn(async move {
+        ws.idle(quiet).await?;
+        Ok(ws)
+    })
+}
+
+async fn a_client_silent_without_pongs_is_closed_and_goes_offline(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            client_liveness_ms: 1_500,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let url = stack.ws_url(0);
+
+    // Sends no frames but reads its socket, so it answers the gateway's pings.
+    let quiet = registered(&url, &device_register("quiet", "windows")).await;
+    // Quiet for well over twice the liveness window.
+    let quiet_task = read_quietly(quiet, Duration::from_secs(4));
+    // Sends no frames and never reads: no pongs either.
+    let mut mute = registered(&url, &device_register("mute", "windows")).await;
+    until_online(&stack, "mute").await;
+
+    until_offline(&stack, "mute").await;
+    let closed = mute.closed().await;
+    assert_eq!(closed.code, Some(1001), "{closed:?}");
+    assert_eq!(closed.reason, "no frames or pongs for 1500 ms");
+    assert!(closed.frames.is_empty(), "{closed:?}");
+
+    // The quiet one, without frames for longer than the window, is still connected.
+    let mut quiet = quiet_task
+        .await
+        .expect("task")
+        .expect("the client answering pings was not closed");
+    assert_eq!(
+        agent_status(&stack.registry_url(), "quiet")
+            .await
+            .as_deref(),
+        Some("available")
+    );
+    quiet.heartbeat("quiet", "device").await;
+    until_online(&stack, "quiet").await;
+
+    // The silent client registers again and works.
+    let mut back = registered(&url, &device_register("mute", "windows")).await;
+    back.heartbeat("mute", "device").await;
+    until_online(&stack, "mute").await;
+    stack.stop().await;
+}
+both_backends!(a_client_silent_without_pongs_is_closed_and_goes_offline);
+
+async fn frames_over_the_rate_are_refused_then_the_client_is_closed(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let (url, stop, handle) = custom_gateway(&stack, |s| s.gateway.frames_per_second = 5).await;
+    let mut good = registered(&url, &device_register("good", "windows")).await;
+    let mut flood = registered(&url, &device_register("flood", "windows")).await;
+    until_online(&stack, "flood").await;
+
+    let heartbeat = frames::heartbeat("flood", "device").to_string();
+    for _ in 0..200 {
+        if flood
+            .try_send(tokio_tungstenite::tungstenite::Message::Text(
+                heartbeat.as_str().into(),
+            ))
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    let closed = flood.closed().await;
+    let refused = "frame refused: more than 5 frames per second; slow down";
+    let mut answered = 0;
+    let mut limited = 0;
+    for frame in &closed.frames {
+        if frame["type"] == "heartbeat" {
+            common::assert_heartbeat_answer(frame);
+            answered += 1;
+        } else {
+            common::assert_error(frame, "RATE_LIMITED", refused);
+            limited += 1;
+        }
+    }
+    // A full bucket holds twice the rate; the close comes after more than 10 refusals in a row.
+    assert!(answered >= 10, "the burst is allowed: {closed:?}");
+    assert!(limited >= 11, "then frames are refused: {closed:?}");
+    assert_eq!(closed.code, Some(1008), "{closed:?}");
+    assert_eq!(closed.reason, "rate limit exceeded persistently");
+    until_offline(&stack, "flood").await;
+
+    // The limit is per connection: a polite client is unaffected.
+    for _ in 0..3 {
+        good.heartbeat("good", "device").await;
+    }
+    let mut again = registered(&url, &device_register("flood", "windows")).await;
+    again.heartbeat("flood", "device").await;
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(WAIT, handle).await;
+    stack.stop().await;
+}
+both_backends!(frames_over_the_rate_are_refused_then_the_client_is_closed);
+
+async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let (url, stop, handle) = custom_gateway(&stack, |s| {
+        // Room for 16 MiB of frames: the socket's buffers fill (the writer is stuck) long
+        // before the queue does and the gateway gives up on the client.
+        s.gateway.outbound_queue = 64;
+        s.gateway.max_connections = 2;
+    })
+    .await;
+    let mut good = registered(&url, &device_register("good", "windows")).await;
+    let mut slow = registered(&url, &device_register("slow", "windows")).await;
+    until_online(&stack, "slow").await;
+    let full = Ws::refused(&url).await;
+    assert_eq!(full.status, 503, "{full:?}");
+    assert_eq!(
+        full.body,
+        json!({"detail": "connection limit of 2 reached; try another gateway", "error_code": "UNAVAILABLE"})
+    );
+
+    // Frames for `slow` pile up: 256 KiB each, until the gateway gives up on it.
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    let padding = "x".repeat(256 * 1024);
+    let frame = json!({"type": "heartbeat", "status": "ok", "messages": [padding]}).to_string();
+    let base = stack.registry_url();
+    let mut sent = 0;
+    loop {
+        assert!(sent < 2_000, "`slow` was never disconnected");
+        stack
+            .bus
+            .publish(
+                subjects.deliver("slow"),
+                Headers::new(),
+                frame.clone().into_bytes().into(),
+            )
+            .await
+            .expect("published");
+        sent += 1;
+        if sent % 8 == 0 && agent_status(&base, "slow").await.as_deref() == Some("offline") {
+            break;
+        }
+    }
+    good.heartbeat("good", "device").await;
+
+    // Its slot is given back although it still reads nothing.
+    eventually(
+        "a connection slot after the slow client was dropped",
+        || {
+            let url = url.clone();
+            async move { Ws::try_connect(&url).await.ok() }
+        },
+    )
+    .await
+    .expect("the slow client's slot is free");
+
+    // When it finally reads: some frames, then the end of the connection.
+    let closed = slow.closed().await;
+    if let Some(code) = closed.code {
+        assert_eq!(code, 1008, "{closed:?}");
+    }
+    assert!(
+        closed.frames.len() < sent,
+        "{} of {sent}",
+        closed.frames.len()
+    );
+    good.heartbeat("good", "device").await;
+    until_online(&stack, "good").await;
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(WAIT, handle).await;
+    stack.stop().await;
+}
+both_backends!(a_client_that_does_not_read_is_disconnected_and_frees_its_slot);
