@@ -118,9 +118,14 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
     // goes away, while the writer sends what is queued and the close. Dropping the socket
     // with unread input would reset the connection and lose the last frames (the ERROR
     // saying why); a client that does not finish within CLOSE_GRACE (one that stopped
-    // reading, say) is dropped anyway, so it cannot keep its connection slot.
+    // reading, say) is dropped anyway, so it cannot keep its connection slot. When the
+    // gateway shuts down, the close frame is sent but answers are not awaited.
     let mut writer = writer;
+    let shutting_down = state.shutdown.is_cancelled();
     let drain = async {
+        if shutting_down {
+            return;
+        }
         while let Some(Ok(message)) = stream.next().await {
             if let Message::Close(_) = message {
                 break;

@@ -237,6 +237,8 @@ impl Ws {
                     };
                 }
                 Some(Ok(Message::Close(frame))) => {
+                    // Send the answer tungstenite queued, completing the closing handshake.
+                    let _ = self.ws.flush().await;
                     return Closed {
                         code: frame.as_ref().map(|f| u16::from(f.code)),
                         reason: frame.map(|f| f.reason.to_string()).unwrap_or_default(),
