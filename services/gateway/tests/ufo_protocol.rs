@@ -240,18 +240,19 @@ async fn ufo_registration_refusals(backend: Backend) {
     .await;
     assert!(agent(&stack.registry_url(), "g@nobody").await.is_none());
 
-    // Without credentials every client is the same (anonymous) principal, so a second live
-    // connection with the same id takes the id over: the old socket is closed.
+    // Without credentials nobody proves who they are: a second live connection with the same
+    // id is refused with UFO's text, and the first one keeps working.
     let mut first = registered(&url, &device_register("pc-1", "windows")).await;
     until_online(&stack, "pc-1").await;
-    let mut second = registered(&url, &device_register("pc-1", "windows")).await;
-    let closed = first.closed().await;
-    assert_eq!(closed.code, Some(1008), "{closed:?}");
-    assert_eq!(
-        closed.reason,
-        "replaced by a newer connection of the same client"
-    );
-    second.heartbeat("pc-1", "device").await;
+    let closed = refused_registration(
+        &url,
+        &device_register("pc-1", "windows"),
+        "REGISTRATION_FAILED",
+        "client_id 'pc-1' is already registered; duplicate registrations are not allowed",
+    )
+    .await;
+    assert_eq!(closed.code, Some(1000), "{closed:?}");
+    first.heartbeat("pc-1", "device").await;
     until_online(&stack, "pc-1").await;
     stack.stop().await;
 }
@@ -292,13 +293,21 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     assert_eq!(info["response_id"], "device_info_far-pc_1");
     assert_eq!(info["result"], register["metadata"]["system_info"]);
 
-    // The id is held on gateway 1: gateway 0 takes it over (same anonymous principal) and
-    // gateway 1 closes its socket.
+    // The id is held on gateway 1: another anonymous connection on gateway 0 is refused.
+    let closed = refused_registration(
+        &stack.ws_url(0),
+        &register,
+        "REGISTRATION_FAILED",
+        "client_id 'far-pc' is already registered; duplicate registrations are not allowed",
+    )
+    .await;
+    assert_eq!(closed.code, Some(1000), "{closed:?}");
+    // Once it leaves gateway 1, it registers on gateway 0.
+    device.close().await;
+    until_offline(&stack, "far-pc").await;
     let mut again = Ws::connect(&stack.ws_url(0)).await;
     again.send(&register).await;
     assert_registration_answer(&again.recv().await.expect("registration answer"));
-    let closed = device.closed().await;
-    assert_eq!(closed.code, Some(1008), "{closed:?}");
     eventually_on_gateway(&stack, "far-pc", &stack.gateways[0].id).await;
     again.heartbeat("far-pc", "device").await;
     galaxy.heartbeat("galaxy@far-pc", "device").await;

@@ -155,11 +155,18 @@ pub fn admit(
     if holder.status == proto_schemas::registry::AgentStatus::Offline {
         return Ok(None);
     }
-    if !holder.live || holder.principal == request.principal {
+    // An authenticated credential may take over its own live registration (a reconnect before
+    // the old socket is known dead). Unauthenticated clients prove nothing, so a live id is
+    // refused as UFO refuses it.
+    let same_owner = holder.principal == request.principal && request.principal != ANONYMOUS;
+    if !holder.live || same_owner {
         return Ok(Some(holder.connection_id.clone()));
     }
     Err(duplicate(&request.agent_id))
 }
+
+/// The principal of connections to a gateway without credentials.
+pub const ANONYMOUS: &str = "anonymous";
 
 /// UFO's refusal of a duplicate live id.
 pub fn duplicate(agent_id: &str) -> ErrorBody {

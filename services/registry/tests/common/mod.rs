@@ -187,6 +187,8 @@ impl TestApp {
                 listen: "127.0.0.1:0".parse().expect("addr"),
                 api_keys: options.api_keys.clone(),
                 liveness_ms: options.liveness_ms,
+                // These tests judge an agent's own staleness by the same window as its gateway's.
+                agent_liveness_ms: None,
                 presence_flush_ms: options.presence_flush_ms,
                 reap_interval_ms: options.reap_interval_ms,
                 shutdown_grace_ms: 5_000,
