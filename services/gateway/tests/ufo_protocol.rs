@@ -269,7 +269,7 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     .await
     .expect("stack");
     let register = device_register("far-pc", "linux");
-    let mut device = registered(&stack.ws_url(1), &register).await;
+    let device = registered(&stack.ws_url(1), &register).await;
     until_online(&stack, "far-pc").await;
     let record = agent(&stack.registry_url(), "far-pc")
         .await
