@@ -7,8 +7,8 @@
 
 use std::path::Path;
 
-use serde::{Deserializer, Serialize};
 use serde::de::DeserializeOwned;
+use serde::{Deserializer, Serialize};
 
 /// Why configuration could not be loaded.
 #[derive(Debug, thiserror::Error)]

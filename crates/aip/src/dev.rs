@@ -333,7 +333,7 @@ impl DevServer {
         let mut gateway_task =
             tokio::spawn(gateway.run_until(gateway_stop.clone().cancelled_owned()));
         let mut server = tokio::spawn(
-            axum::serve(listener, router)
+            axum::serve(aip_runtime::nodelay(listener), router)
                 .with_graceful_shutdown(stopping.clone().cancelled_owned())
                 .into_future(),
         );

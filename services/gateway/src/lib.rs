@@ -178,9 +178,12 @@ impl Application {
             shutdown.await;
             token.cancel();
         };
-        let served = axum::serve(self.listener, router(state.clone()).into_make_service())
-            .with_graceful_shutdown(stop)
-            .await;
+        let served = axum::serve(
+            aip_runtime::nodelay(self.listener),
+            router(state.clone()).into_make_service(),
+        )
+        .with_graceful_shutdown(stop)
+        .await;
         state.shutdown.cancel();
         state.tracker.close();
         let grace = Duration::from_millis(state.settings.gateway.shutdown_grace_ms);

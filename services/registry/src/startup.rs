@@ -197,7 +197,7 @@ impl Application {
         let app = http::router(AppState { store }, ApiKeys::new(&settings.api_keys));
         let http_stop = stop.child_token();
         let mut http_task = tokio::spawn(async move {
-            axum::serve(listener, app)
+            axum::serve(aip_runtime::nodelay(listener), app)
                 .with_graceful_shutdown(http_stop.cancelled_owned())
                 .await
         });

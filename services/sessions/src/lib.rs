@@ -174,7 +174,7 @@ impl Application {
         tracing::info!(%addr, "session service listening");
         let app = http::router(engine, ApiKeys::new(&s.api_keys));
         let token = stop.clone();
-        let served = axum::serve(self.listener, app)
+        let served = axum::serve(aip_runtime::nodelay(self.listener), app)
             .with_graceful_shutdown(async move {
                 shutdown.await;
                 token.cancel();
