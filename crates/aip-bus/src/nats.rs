@@ -298,7 +298,11 @@ impl Bus for NatsBus {
             match self.jetstream.delete_stream(&name).await {
                 Ok(_) => Ok(()),
                 Err(e) if e.to_string().contains("not found") => Ok(()),
-                Err(e) => Err(BusError::Nats { operation: "delete stream", subject: name, source: Box::new(e) }),
+                Err(e) => Err(BusError::Nats {
+                    operation: "delete stream",
+                    subject: name,
+                    source: Box::new(e),
+                }),
             }
         }
         .boxed()
