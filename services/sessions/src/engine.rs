@@ -812,24 +812,26 @@ impl Engine {
 
     // ----- results and ends -----
 
-    async fn on_results(&self, inbound: &InboundFrame, msg_id: &str) -> Result<(), EngineError> {
-        let frame = &inbound.frame;
-        let session = frame.session_id.clone().unwrap_or_default();
-        let mut tx = self.store.begin().await?;
-        if !tx.first_time(msg_id).await? {
-            return Ok(());
-        }
-        let Some(mut task) = tx.lock_task(&session).await? else {
+    /// Locks the live session a frame from its executor is about; refuses a frame for an
+    /// unknown session, from anyone but the executor, or for a session that has ended.
+    async fn lock_for_executor(
+        &self,
+        tx: &mut Tx,
+        session: &str,
+        inbound: &InboundFrame,
+    ) -> Result<TaskRow, EngineError> {
+        let kind = inbound.frame.kind;
+        let Some(task) = tx.lock_task(session).await? else {
             return Err(EngineError::refused(
                 ErrorCode::NotFound,
-                format!("command_results for unknown session '{session}'"),
+                format!("{kind} for unknown session '{session}'"),
             ));
         };
         if task.executor_id.as_deref() != Some(inbound.client_id.as_str()) {
             return Err(EngineError::refused(
                 ErrorCode::Forbidden,
                 format!(
-                    "command_results refused: '{}' is not the executor of session '{session}'",
+                    "{kind} refused: '{}' is not the executor of session '{session}'",
                     inbound.client_id
                 ),
             ));
@@ -840,6 +842,17 @@ impl Engine {
                 format!("session '{session}' has already ended ({})", task.state),
             ));
         }
+        Ok(task)
+    }
+
+    async fn on_results(&self, inbound: &InboundFrame, msg_id: &str) -> Result<(), EngineError> {
+        let frame = &inbound.frame;
+        let session = frame.session_id.clone().unwrap_or_default();
+        let mut tx = self.store.begin().await?;
+        if !tx.first_time(msg_id).await? {
+            return Ok(());
+        }
+        let mut task = self.lock_for_executor(&mut tx, &session, inbound).await?;
         let answered = frame.prev_response_id.as_deref();
         if task.pending_response_id.as_deref() != answered {
             return Err(EngineError::refused(
@@ -897,27 +910,7 @@ impl Engine {
         if !tx.first_time(msg_id).await? {
             return Ok(());
         }
-        let Some(mut task) = tx.lock_task(&session).await? else {
-            return Err(EngineError::refused(
-                ErrorCode::NotFound,
-                format!("task_end for unknown session '{session}'"),
-            ));
-        };
-        if task.executor_id.as_deref() != Some(inbound.client_id.as_str()) {
-            return Err(EngineError::refused(
-                ErrorCode::Forbidden,
-                format!(
-                    "task_end refused: '{}' is not the executor of session '{session}'",
-                    inbound.client_id
-                ),
-            ));
-        }
-        if task.state().is_terminal() {
-            return Err(EngineError::refused(
-                ErrorCode::Conflict,
-                format!("session '{session}' has already ended ({})", task.state),
-            ));
-        }
+        let mut task = self.lock_for_executor(&mut tx, &session, inbound).await?;
         let mut effects = Effects::default();
         if frame.status == TaskStatus::Completed {
             self.finish(
