@@ -54,9 +54,14 @@ pub struct Proc {
     child: Option<Child>,
     stdout: Arc<Mutex<String>>,
     stderr: Arc<Mutex<String>>,
+    /// The threads copying stdout and stderr; they end when the process closes its pipes.
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
-fn collect<R: Read + Send + 'static>(from: R, into: Arc<Mutex<String>>) {
+fn collect<R: Read + Send + 'static>(
+    from: R,
+    into: Arc<Mutex<String>>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(from);
         let mut line = String::new();
@@ -66,7 +71,7 @@ fn collect<R: Read + Send + 'static>(from: R, into: Arc<Mutex<String>>) {
                 .push_str(&line);
             line.clear();
         }
-    });
+    })
 }
 
 impl Proc {
@@ -88,17 +93,19 @@ impl Proc {
             .unwrap_or_else(|e| panic!("cannot start {name} ({program}): {e}"));
         let stdout = Arc::new(Mutex::new(String::new()));
         let stderr = Arc::new(Mutex::new(String::new()));
+        let mut readers = Vec::new();
         if let Some(out) = child.stdout.take() {
-            collect(out, stdout.clone());
+            readers.push(collect(out, stdout.clone()));
         }
         if let Some(err) = child.stderr.take() {
-            collect(err, stderr.clone());
+            readers.push(collect(err, stderr.clone()));
         }
         Proc {
             name: name.to_owned(),
             child: Some(child),
             stdout,
             stderr,
+            readers,
         }
     }
 
@@ -173,8 +180,10 @@ impl Proc {
         let deadline = Instant::now() + WAIT;
         loop {
             if let Some(status) = self.try_status() {
-                // Let the reader threads take the last lines.
-                std::thread::sleep(Duration::from_millis(100));
+                // The process has closed its pipes: the readers finish with its last lines.
+                for reader in self.readers.drain(..) {
+                    let _ = reader.join();
+                }
                 return status;
             }
             if Instant::now() > deadline {
