@@ -189,6 +189,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Commits a transaction, then publishes the frames it queued and schedules planning.
+    async fn commit(&self, tx: Tx, effects: Effects) -> Result<(), StoreError> {
+        tx.commit().await?;
+        self.finish_effects(effects).await;
+        Ok(())
+    }
+
     async fn finish_effects(&self, effects: Effects) {
         for (id, subject, payload) in effects.published {
             match self
@@ -499,8 +506,7 @@ impl Engine {
             )
             .await?;
         }
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(Started { task })
     }
 
@@ -684,8 +690,7 @@ impl Engine {
                 .await?;
             }
         }
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(())
     }
 
@@ -937,8 +942,7 @@ impl Engine {
             )
             .await?;
         }
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(())
     }
 
@@ -987,8 +991,7 @@ impl Engine {
                 .await?;
             }
         }
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(())
     }
 
@@ -1050,8 +1053,7 @@ impl Engine {
             .apply_commands(&mut tx, &mut effects, &mut task, step)
             .await?;
         let seq = task.next_seq - 1;
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok((response_id, seq))
     }
 
@@ -1071,8 +1073,7 @@ impl Engine {
         let mut effects = Effects::default();
         self.finish(&mut tx, &mut effects, &mut task, state, result, error)
             .await?;
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(task)
     }
 
@@ -1091,8 +1092,7 @@ impl Engine {
             error,
         )
         .await?;
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(task)
     }
 
@@ -1128,8 +1128,7 @@ impl Engine {
             Some((ErrorCode::TaskTimeout, error)),
         )
         .await?;
-        tx.commit().await?;
-        self.finish_effects(effects).await;
+        self.commit(tx, effects).await?;
         Ok(())
     }
 
