@@ -123,6 +123,13 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
 }
 
 async fn ready(State(engine): State<Engine>) -> Response {
+    if !engine.is_leading() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "standby: another replica leads (this one serves reads and takes over when the leader goes)",
+        )
+            .into_response();
+    }
     match engine.store.database().ping().await {
         Ok(()) => "ready".into_response(),
         Err(e) => (
@@ -138,7 +145,7 @@ async fn create_task(
     Body(request): Body<TaskRequest>,
 ) -> Result<Response, ApiError> {
     let new = new_task_from_request(request, Requester::Rest).map_err(ApiError::Refused)?;
-    let started = engine.submit(new, None).await?;
+    let started = engine.submit(new).await?;
     Ok((StatusCode::CREATED, Json(started.task.view())).into_response())
 }
 
@@ -450,7 +457,7 @@ async fn ufo_dispatch(
         timeout_secs: None,
         ufo_dispatch: true,
     };
-    let started = engine.submit(new, None).await.map_err(|e| match e {
+    let started = engine.submit(new).await.map_err(|e| match e {
         EngineError::Refused(body) if body.error_code == ErrorCode::DeviceNotFound => {
             ApiError::new(ErrorCode::DeviceNotFound, "Client not online")
         }
@@ -669,7 +676,7 @@ pub fn openapi() -> Value {
                 }
             },
             "/healthz": { "get": { "summary": "The process is up", "security": [], "responses": { "200": { "description": "ok" } } } },
-            "/readyz": { "get": { "summary": "The database answers", "security": [], "responses": { "200": { "description": "ready" }, "503": { "description": "not ready" } } } }
+            "/readyz": { "get": { "summary": "This replica leads and the database answers", "security": [], "responses": { "200": { "description": "ready" }, "503": { "description": "not ready" } } } }
         }
     })
 }

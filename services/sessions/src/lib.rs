@@ -15,6 +15,7 @@
 
 pub mod engine;
 pub mod http;
+pub mod machine;
 pub mod settings;
 pub mod store;
 pub mod workers;
@@ -60,8 +61,7 @@ pub struct Application {
     listener: TcpListener,
     engine: Engine,
     settings: Settings,
-    plans: tokio::sync::mpsc::Receiver<String>,
-    outbox_done: tokio::sync::mpsc::Receiver<i64>,
+    applier: engine::Applier,
 }
 
 impl Application {
@@ -89,17 +89,8 @@ impl Application {
             ));
         }
         db.migrate().await?;
-        let (plans_tx, plans) = tokio::sync::mpsc::channel(16_384);
-        let (done_tx, outbox_done) = tokio::sync::mpsc::channel(16_384);
         let store = store::TaskStore::new(db);
-        let engine = Engine::new(
-            store,
-            bus,
-            subjects,
-            settings.sessions.clone(),
-            done_tx,
-            plans_tx,
-        );
+        let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
         workers::ensure_frames_stream(&engine).await?;
         let listener = TcpListener::bind(listen)
             .await
@@ -111,8 +102,7 @@ impl Application {
             listener,
             engine,
             settings,
-            plans,
-            outbox_done,
+            applier,
         })
     }
 
@@ -147,30 +137,32 @@ impl Application {
         let tracker = TaskTracker::new();
         let s = &self.settings.sessions;
         let engine = self.engine.clone();
-        let background = vec![
+        let max_in_flight = s.max_in_flight;
+        let leader_tracker = tracker.clone();
+        let leader_engine = engine.clone();
+        let on_lead = move |term: CancellationToken| {
             tokio::spawn(workers::consume_frames(
-                engine.clone(),
-                s.max_in_flight,
-                stop.clone(),
-                tracker.clone(),
-            )),
-            tokio::spawn(workers::run_planner(
-                engine.clone(),
-                self.plans,
-                s.max_in_flight,
-                tracker.clone(),
-            )),
-            tokio::spawn(workers::run_outbox_cleaner(
-                engine.clone(),
-                self.outbox_done,
-            )),
-            tokio::spawn(workers::run_sweeper(engine.clone(), stop.clone())),
+                leader_engine.clone(),
+                max_in_flight,
+                term.clone(),
+                leader_tracker.clone(),
+            ));
+            tokio::spawn(workers::run_outbox_sweeper(
+                leader_engine.clone(),
+                term.clone(),
+            ));
             tokio::spawn(workers::serve_submissions(
-                engine.clone(),
-                stop.clone(),
-                tracker.clone(),
-            )),
-        ];
+                leader_engine.clone(),
+                term,
+                leader_tracker.clone(),
+            ));
+        };
+        let applier = tokio::spawn(engine::run_applier(
+            engine.clone(),
+            self.applier,
+            stop.clone(),
+            on_lead,
+        ));
         tracing::info!(%addr, "session service listening");
         let app = http::router(engine, ApiKeys::new(&s.api_keys));
         let token = stop.clone();
@@ -188,8 +180,8 @@ impl Application {
                 "work still in progress after the grace period; its frames will be redelivered"
             );
         }
-        for handle in background {
-            handle.abort();
+        if tokio::time::timeout(grace, applier).await.is_err() {
+            tracing::warn!("the applier did not stop within the grace period");
         }
         served
     }

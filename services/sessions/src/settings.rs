@@ -47,6 +47,13 @@ pub struct SessionSettings {
     pub request_timeout_ms: u64,
     /// Frames processed at once by this replica.
     pub max_in_flight: usize,
+    /// Live (not ended) tasks the leader holds in memory at most; beyond it new tasks are
+    /// refused with UNAVAILABLE until some end.
+    pub max_live_tasks: usize,
+    /// Changes written in one transaction at most (group commit).
+    pub max_batch: usize,
+    /// How often a standby replica tries to become the leader.
+    pub standby_retry_ms: u64,
     /// On SIGTERM, how long to let work in progress finish.
     pub shutdown_grace_ms: u64,
 }
@@ -74,7 +81,10 @@ impl Default for SessionSettings {
             command_timeout_secs: 600,
             planner_timeout_ms: 30_000,
             request_timeout_ms: 5_000,
-            max_in_flight: 128,
+            max_in_flight: 1024,
+            max_live_tasks: 100_000,
+            max_batch: 2_000,
+            standby_retry_ms: 1_000,
             shutdown_grace_ms: 10_000,
         }
     }

@@ -6,8 +6,6 @@
 //! SQL is written once with `$N` placeholders; for SQLite they become `?N`. On SQLite, writers
 //! are serialised by a process-wide lock (one process owns an embedded database).
 
-use std::sync::Arc;
-
 use aip_store::Database;
 use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
 use proto_schemas::{Command, ErrorCode};
@@ -150,17 +148,6 @@ impl EventRow {
     }
 }
 
-/// A queued outgoing frame.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct OutboxRow {
-    /// Row id.
-    pub id: i64,
-    /// Subject to publish on.
-    pub subject: String,
-    /// Body.
-    pub payload: Vec<u8>,
-}
-
 /// `$1` → `?1` for SQLite.
 fn lite(sql: &str) -> String {
     sql.replace('$', "?")
@@ -175,27 +162,6 @@ const TASK_COLUMNS: &str = "task_id, task_name, state, request, data, requester_
 #[derive(Clone)]
 pub struct TaskStore {
     db: Database,
-    sqlite_writer: Arc<tokio::sync::Mutex<()>>,
-}
-
-/// An open transaction.
-pub enum Tx {
-    /// PostgreSQL.
-    Pg(sqlx::Transaction<'static, sqlx::Postgres>),
-    /// SQLite, holding the writer lock.
-    Lite(
-        sqlx::Transaction<'static, sqlx::Sqlite>,
-        tokio::sync::OwnedMutexGuard<()>,
-    ),
-}
-
-macro_rules! run {
-    ($target:expr, $sql:expr, [$($arg:expr),* $(,)?], $method:ident) => {
-        match $target {
-            Target::Pg(c) => sqlx::query(sqlx::AssertSqlSafe(($sql).to_string()))$(.bind($arg))*.$method(c).await.map(|r| r.rows_affected()),
-            Target::Lite(c) => sqlx::query(sqlx::AssertSqlSafe(lite($sql)))$(.bind($arg))*.$method(c).await.map(|r| r.rows_affected()),
-        }
-    };
 }
 
 macro_rules! fetch {
@@ -207,241 +173,221 @@ macro_rules! fetch {
     };
 }
 
-/// Where a query runs: a transaction or the pool.
+/// Where a read runs.
 enum Target<'a> {
     Pg(&'a mut sqlx::PgConnection),
     Lite(&'a mut sqlx::SqliteConnection),
 }
 
-impl Tx {
-    fn target(&mut self) -> Target<'_> {
-        match self {
-            Tx::Pg(t) => Target::Pg(&mut *t),
-            Tx::Lite(t, _) => Target::Lite(&mut *t),
-        }
-    }
+/// An event to append.
+#[derive(Debug, Clone)]
+pub struct NewEvent {
+    /// The task.
+    pub task_id: String,
+    /// Its gap-free sequence number.
+    pub seq: i64,
+    /// When.
+    pub at_ms: i64,
+    /// What happened.
+    pub kind: String,
+    /// The task's state after it.
+    pub state: String,
+    /// Details.
+    pub data: Option<Value>,
+}
 
-    /// Commits.
-    pub async fn commit(self) -> Result<(), StoreError> {
-        match self {
-            Tx::Pg(t) => t.commit().await?,
-            Tx::Lite(t, _guard) => t.commit().await?,
+/// A frame to publish once its batch has committed.
+#[derive(Debug, Clone)]
+pub struct OutFrame {
+    /// The message id gateways de-duplicate on (`Nats-Msg-Id`), also the outbox key.
+    pub msg_id: String,
+    /// Subject to publish on.
+    pub subject: String,
+    /// Body.
+    pub payload: Vec<u8>,
+}
+
+/// Everything one group commit writes, in one transaction.
+#[derive(Debug, Default)]
+pub struct Batch {
+    /// Tasks created or changed (the whole row; the last version of each).
+    pub tasks: Vec<TaskRow>,
+    /// Events appended.
+    pub events: Vec<NewEvent>,
+    /// Ids of the frames applied, so a redelivery is recognised.
+    pub processed: Vec<String>,
+    /// Frames sent by these changes.
+    pub outbox: Vec<OutFrame>,
+    /// Outbox rows of earlier batches that have been published since.
+    pub published: Vec<String>,
+    /// Forget processed-frame ids older than this.
+    pub prune_processed_before: Option<i64>,
+}
+
+impl Batch {
+    /// Whether there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+            && self.events.is_empty()
+            && self.processed.is_empty()
+            && self.outbox.is_empty()
+            && self.published.is_empty()
+            && self.prune_processed_before.is_none()
+    }
+}
+
+/// Rows per statement: far below the bind-parameter limits of both databases (29 columns
+/// × 500 rows = 14,500 parameters; SQLite allows 32,766, PostgreSQL 65,535).
+const ROWS_PER_STATEMENT: usize = 500;
+
+/// The leader's own connection. It holds the leadership (a session-level advisory lock on
+/// PostgreSQL, released by the server when the connection ends) and writes every batch, so a
+/// replica that lost its connection can no longer write: its transaction fails.
+pub enum Writer {
+    /// PostgreSQL.
+    Pg(sqlx::PgConnection),
+    /// SQLite (one process owns an embedded database).
+    Lite(sqlx::SqliteConnection),
+}
+
+macro_rules! write_batch {
+    ($conn:expr, $db:ty, $batch:expr, $prune_sql:expr) => {{
+        let batch = $batch;
+        let mut tx = sqlx::Connection::begin($conn).await?;
+        for rows in batch.tasks.chunks(ROWS_PER_STATEMENT) {
+            let mut q = sqlx::QueryBuilder::<$db>::new(format!("INSERT INTO tasks ({TASK_COLUMNS}) "));
+            q.push_values(rows, |mut b, t| {
+                b.push_bind(t.task_id.clone())
+                    .push_bind(t.task_name.clone())
+                    .push_bind(t.state.clone())
+                    .push_bind(t.request.clone())
+                    .push_bind(t.data.clone())
+                    .push_bind(t.requester_kind.clone())
+                    .push_bind(t.requester_id.clone())
+                    .push_bind(t.requester_type.clone())
+                    .push_bind(t.executor_id.clone())
+                    .push_bind(t.executor_platform.clone())
+                    .push_bind(t.required_capabilities.clone())
+                    .push_bind(t.planner.clone())
+                    .push_bind(t.steps.clone())
+                    .push_bind(t.step)
+                    .push_bind(t.pending_response_id.clone())
+                    .push_bind(t.needs_plan)
+                    .push_bind(t.ufo_dispatch)
+                    .push_bind(t.awaiting_echo)
+                    .push_bind(t.history.clone())
+                    .push_bind(t.priority)
+                    .push_bind(t.result.clone())
+                    .push_bind(t.error.clone())
+                    .push_bind(t.error_code.clone())
+                    .push_bind(t.callback_url.clone())
+                    .push_bind(t.task_deadline_ms)
+                    .push_bind(t.deadline_ms)
+                    .push_bind(t.created_ms)
+                    .push_bind(t.updated_ms)
+                    .push_bind(t.next_seq);
+            });
+            q.push(
+                " ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, executor_id = excluded.executor_id, \
+                 executor_platform = excluded.executor_platform, step = excluded.step, \
+                 pending_response_id = excluded.pending_response_id, needs_plan = excluded.needs_plan, \
+                 awaiting_echo = excluded.awaiting_echo, history = excluded.history, result = excluded.result, \
+                 error = excluded.error, error_code = excluded.error_code, deadline_ms = excluded.deadline_ms, \
+                 updated_ms = excluded.updated_ms, next_seq = excluded.next_seq",
+            );
+            q.build().execute(&mut *tx).await?;
         }
+        for rows in batch.events.chunks(ROWS_PER_STATEMENT) {
+            let mut q = sqlx::QueryBuilder::<$db>::new(
+                "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) ",
+            );
+            q.push_values(rows, |mut b, e| {
+                b.push_bind(e.task_id.clone())
+                    .push_bind(e.seq)
+                    .push_bind(e.at_ms)
+                    .push_bind(e.kind.clone())
+                    .push_bind(e.state.clone())
+                    .push_bind(e.data.clone().map(Json));
+            });
+            q.build().execute(&mut *tx).await?;
+        }
+        let now = now_ms();
+        for ids in batch.processed.chunks(ROWS_PER_STATEMENT) {
+            let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO processed_messages (msg_id, at_ms) ");
+            q.push_values(ids, |mut b, id| {
+                b.push_bind(id.clone()).push_bind(now);
+            });
+            q.push(" ON CONFLICT (msg_id) DO NOTHING");
+            q.build().execute(&mut *tx).await?;
+        }
+        for rows in batch.outbox.chunks(ROWS_PER_STATEMENT) {
+            let mut q = sqlx::QueryBuilder::<$db>::new(
+                "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) ",
+            );
+            q.push_values(rows, |mut b, f| {
+                b.push_bind(f.msg_id.clone())
+                    .push_bind(f.subject.clone())
+                    .push_bind(f.payload.clone())
+                    .push_bind(now);
+            });
+            q.build().execute(&mut *tx).await?;
+        }
+        for ids in batch.published.chunks(ROWS_PER_STATEMENT) {
+            let mut q = sqlx::QueryBuilder::<$db>::new("DELETE FROM task_outbox WHERE msg_id IN (");
+            let mut list = q.separated(", ");
+            for id in ids {
+                list.push_bind(id.clone());
+            }
+            q.push(")");
+            q.build().execute(&mut *tx).await?;
+        }
+        if let Some(before) = batch.prune_processed_before {
+            sqlx::query($prune_sql)
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
         Ok(())
+    }};
+}
+
+impl Writer {
+    /// Writes a batch in one transaction: all of it, or (on error) none of it.
+    pub async fn write(&mut self, batch: &Batch) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        match self {
+            Writer::Pg(conn) => write_batch!(conn, sqlx::Postgres, batch, "DELETE FROM processed_messages WHERE at_ms < $1"),
+            Writer::Lite(conn) => write_batch!(conn, sqlx::Sqlite, batch, "DELETE FROM processed_messages WHERE at_ms < ?1"),
+        }
     }
 
-    /// Whether this frame was applied already; if not, records it as applied (the record
-    /// commits with the transaction).
-    pub async fn first_time(&mut self, msg_id: &str) -> Result<bool, StoreError> {
-        let sql = "INSERT INTO processed_messages (msg_id, at_ms) VALUES ($1, $2) ON CONFLICT (msg_id) DO NOTHING";
-        let inserted = run!(self.target(), sql, [msg_id, now_ms()], execute)?;
-        Ok(inserted == 1)
-    }
-
-    /// Locks a task row for the rest of the transaction.
-    pub async fn lock_task(&mut self, task_id: &str) -> Result<Option<TaskRow>, StoreError> {
-        let pg = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = $1 FOR UPDATE");
-        let sqlite = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = $1");
+    /// Every task that has not ended, oldest first (what a new leader takes over).
+    pub async fn load_live(&mut self) -> Result<Vec<TaskRow>, StoreError> {
+        let sql = format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
+             ORDER BY created_ms, task_id"
+        );
         Ok(match self {
-            Tx::Pg(t) => {
-                sqlx::query_as::<_, TaskRow>(sqlx::AssertSqlSafe(pg))
-                    .bind(task_id)
-                    .fetch_optional(&mut **t)
+            Writer::Pg(conn) => {
+                sqlx::query_as::<_, TaskRow>(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(&mut *conn)
                     .await?
             }
-            Tx::Lite(t, _) => {
-                sqlx::query_as::<_, TaskRow>(sqlx::AssertSqlSafe(lite(&sqlite)))
-                    .bind(task_id)
-                    .fetch_optional(&mut **t)
+            Writer::Lite(conn) => {
+                sqlx::query_as::<_, TaskRow>(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(&mut *conn)
                     .await?
             }
         })
     }
-
-    /// Serialises dispatch decisions for one executor across replicas (PostgreSQL advisory
-    /// lock; SQLite is serialised already).
-    pub async fn lock_executor(&mut self, executor_id: &str) -> Result<(), StoreError> {
-        if let Tx::Pg(t) = self {
-            sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-                .bind(executor_id)
-                .execute(&mut **t)
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// Inserts a new task (its first event is appended separately).
-    pub async fn insert_task(&mut self, t: &TaskRow) -> Result<bool, StoreError> {
-        let sql = format!(
-            "INSERT INTO tasks ({TASK_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
-             $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29) ON CONFLICT (task_id) DO NOTHING"
-        );
-        let n = run!(
-            self.target(),
-            &sql,
-            [
-                &t.task_id,
-                &t.task_name,
-                &t.state,
-                &t.request,
-                t.data.clone(),
-                &t.requester_kind,
-                &t.requester_id,
-                t.requester_type.clone(),
-                t.executor_id.clone(),
-                t.executor_platform.clone(),
-                t.required_capabilities.clone(),
-                &t.planner,
-                t.steps.clone(),
-                t.step,
-                t.pending_response_id.clone(),
-                t.needs_plan,
-                t.ufo_dispatch,
-                t.awaiting_echo,
-                t.history.clone(),
-                t.priority,
-                t.result.clone(),
-                t.error.clone(),
-                t.error_code.clone(),
-                t.callback_url.clone(),
-                t.task_deadline_ms,
-                t.deadline_ms,
-                t.created_ms,
-                t.updated_ms,
-                t.next_seq,
-            ],
-            execute
-        )?;
-        Ok(n == 1)
-    }
-
-    /// Writes back the mutable fields of a task.
-    pub async fn update_task(&mut self, t: &TaskRow) -> Result<(), StoreError> {
-        let sql = "UPDATE tasks SET state = $1, executor_id = $2, executor_platform = $3, step = $4, \
-            pending_response_id = $5, needs_plan = $6, awaiting_echo = $7, history = $8, result = $9, error = $10, \
-            error_code = $11, deadline_ms = $12, updated_ms = $13, next_seq = $14 WHERE task_id = $15";
-        run!(
-            self.target(),
-            sql,
-            [
-                &t.state,
-                t.executor_id.clone(),
-                t.executor_platform.clone(),
-                t.step,
-                t.pending_response_id.clone(),
-                t.needs_plan,
-                t.awaiting_echo,
-                t.history.clone(),
-                t.result.clone(),
-                t.error.clone(),
-                t.error_code.clone(),
-                t.deadline_ms,
-                t.updated_ms,
-                t.next_seq,
-                &t.task_id,
-            ],
-            execute
-        )?;
-        Ok(())
-    }
-
-    /// Appends an event with the task's next sequence number (and advances it in `task`;
-    /// [`Tx::update_task`] persists the counter in the same transaction).
-    pub async fn append_event(
-        &mut self,
-        task: &mut TaskRow,
-        kind: &str,
-        data: Option<Value>,
-    ) -> Result<i64, StoreError> {
-        let seq = task.next_seq;
-        task.next_seq += 1;
-        let sql = "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) VALUES ($1, $2, $3, $4, $5, $6)";
-        run!(
-            self.target(),
-            sql,
-            [
-                &task.task_id,
-                seq,
-                now_ms(),
-                kind,
-                &task.state,
-                data.map(Json)
-            ],
-            execute
-        )?;
-        Ok(seq)
-    }
-
-    /// Queues a frame to publish after commit; returns its outbox id.
-    pub async fn enqueue(&mut self, subject: &str, payload: &[u8]) -> Result<i64, StoreError> {
-        let sql =
-            "INSERT INTO outbox (subject, payload, created_ms) VALUES ($1, $2, $3) RETURNING id";
-        let row: (i64,) = fetch!(
-            self.target(),
-            (i64,),
-            sql,
-            [subject, payload, now_ms()],
-            fetch_one
-        )?;
-        Ok(row.0)
-    }
-
-    /// Tasks of an executor that are running (dispatched, working, input_required).
-    pub async fn count_active(&mut self, executor_id: &str) -> Result<i64, StoreError> {
-        let sql = "SELECT COUNT(*) FROM tasks WHERE executor_id = $1 AND state IN ('dispatched', 'working', 'input_required')";
-        let row: (i64,) = fetch!(self.target(), (i64,), sql, [executor_id], fetch_one)?;
-        Ok(row.0)
-    }
-
-    /// The next queued task for an executor: highest priority, then oldest.
-    pub async fn next_queued(&mut self, executor_id: &str) -> Result<Option<String>, StoreError> {
-        let sql = "SELECT task_id FROM tasks WHERE executor_id = $1 AND state = 'submitted' \
-            ORDER BY priority DESC, created_ms ASC LIMIT 1";
-        let row: Option<(String,)> =
-            fetch!(self.target(), (String,), sql, [executor_id], fetch_optional)?;
-        Ok(row.map(|r| r.0))
-    }
-
-    /// Live tasks in which a client takes part (as requester or executor).
-    pub async fn live_tasks_of(&mut self, client_id: &str) -> Result<Vec<String>, StoreError> {
-        let sql = "SELECT task_id FROM tasks WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
-            AND ((requester_kind = 'client' AND requester_id = $1) OR executor_id = $2)";
-        let rows: Vec<(String,)> = fetch!(
-            self.target(),
-            (String,),
-            sql,
-            [client_id, client_id],
-            fetch_all
-        )?;
-        Ok(rows.into_iter().map(|r| r.0).collect())
-    }
-
-    /// A UFO dispatch of this device and task name still waiting for the echo.
-    pub async fn awaiting_echo(
-        &mut self,
-        client_id: &str,
-        task_name: &str,
-    ) -> Result<Option<String>, StoreError> {
-        let sql = "SELECT task_id FROM tasks WHERE executor_id = $1 AND task_name = $2 AND awaiting_echo = $3 \
-            AND state IN ('submitted', 'dispatched') ORDER BY created_ms ASC LIMIT 1";
-        let row: Option<(String,)> = fetch!(
-            self.target(),
-            (String,),
-            sql,
-            [client_id, task_name, true],
-            fetch_optional
-        )?;
-        Ok(row.map(|r| r.0))
-    }
 }
-
 impl TaskStore {
     /// A store over an open (migrated) database.
     pub fn new(db: Database) -> Self {
-        TaskStore {
-            db,
-            sqlite_writer: Arc::new(tokio::sync::Mutex::new(())),
-        }
+        TaskStore { db }
     }
 
     /// The database.
@@ -449,14 +395,27 @@ impl TaskStore {
         &self.db
     }
 
-    /// Begins a write transaction.
-    pub async fn begin(&self) -> Result<Tx, StoreError> {
+    /// Tries to become the leader: the one replica that applies changes. On PostgreSQL this
+    /// takes a session-level advisory lock named after `name` on a connection of its own, and
+    /// returns `None` while another replica holds it; on SQLite (one process) it always
+    /// succeeds.
+    pub async fn try_lead(&self, name: &str) -> Result<Option<Writer>, StoreError> {
         Ok(match &self.db {
-            Database::Postgres(pool) => Tx::Pg(pool.begin().await?),
-            Database::Sqlite(pool) => {
-                let guard = self.sqlite_writer.clone().lock_owned().await;
-                Tx::Lite(pool.begin_with("BEGIN IMMEDIATE").await?, guard)
+            Database::Postgres(pool) => {
+                let mut conn = pool.acquire().await?.detach();
+                let (locked,): (bool,) =
+                    sqlx::query_as("SELECT pg_try_advisory_lock(hashtext($1))")
+                        .bind(name)
+                        .fetch_one(&mut conn)
+                        .await?;
+                if locked {
+                    Some(Writer::Pg(conn))
+                } else {
+                    let _ = sqlx::Connection::close(conn).await;
+                    None
+                }
             }
+            Database::Sqlite(pool) => Some(Writer::Lite(pool.acquire().await?.detach())),
         })
     }
 
@@ -552,90 +511,54 @@ impl TaskStore {
         Ok(rows.into_iter().map(EventRow::into_event).collect())
     }
 
-    /// Tasks past their deadline.
-    pub async fn due_deadlines(&self, now: i64, limit: i64) -> Result<Vec<String>, StoreError> {
+    /// The requester of the task with this id, if it exists.
+    pub async fn owner(&self, task_id: &str) -> Result<Option<String>, StoreError> {
+        let task_id = task_id.to_owned();
         self.read(move |t| {
             Box::pin(async move {
-                let sql = "SELECT task_id FROM tasks WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
-                    AND deadline_ms < $1 ORDER BY deadline_ms LIMIT $2";
-                let rows: Vec<(String,)> = fetch!(t, (String,), sql, [now, limit], fetch_all)?;
-                Ok(rows.into_iter().map(|r| r.0).collect())
+                let row: Option<(String,)> = fetch!(t, (String,), "SELECT requester_id FROM tasks WHERE task_id = $1", [task_id], fetch_optional)?;
+                Ok(row.map(|r| r.0))
             })
         })
         .await
     }
 
-    /// Tasks whose next step should have been planned by now (a crash in between).
-    pub async fn due_plans(&self, older_than: i64, limit: i64) -> Result<Vec<String>, StoreError> {
+    /// Whether the frame with this id was applied.
+    pub async fn processed(&self, msg_id: &str) -> Result<bool, StoreError> {
+        let msg_id = msg_id.to_owned();
         self.read(move |t| {
             Box::pin(async move {
-                let sql = "SELECT task_id FROM tasks WHERE needs_plan = $1 AND updated_ms < $2 \
-                    AND state IN ('dispatched', 'working') LIMIT $3";
-                let rows: Vec<(String,)> =
-                    fetch!(t, (String,), sql, [true, older_than, limit], fetch_all)?;
-                Ok(rows.into_iter().map(|r| r.0).collect())
+                let row: Option<(i64,)> = fetch!(t, (i64,), "SELECT 1 FROM processed_messages WHERE msg_id = $1", [msg_id], fetch_optional)?;
+                Ok(row.is_some())
             })
         })
         .await
     }
 
-    /// Outbox rows older than `older_than` (left behind by a crash).
+    /// Outbox rows older than `older_than`: frames whose publish failed, or that a crash
+    /// left unsent.
     pub async fn stale_outbox(
         &self,
         older_than: i64,
         limit: i64,
-    ) -> Result<Vec<OutboxRow>, StoreError> {
-        self.read(move |t| {
-            Box::pin(async move {
-                let sql = "SELECT id, subject, payload FROM outbox WHERE created_ms < $1 ORDER BY id LIMIT $2";
-                fetch!(t, OutboxRow, sql, [older_than, limit], fetch_all)
+    ) -> Result<Vec<OutFrame>, StoreError> {
+        let rows: Vec<(String, String, Vec<u8>)> = self
+            .read(move |t| {
+                Box::pin(async move {
+                    let sql = "SELECT msg_id, subject, payload FROM task_outbox WHERE created_ms < $1 \
+                        ORDER BY created_ms LIMIT $2";
+                    fetch!(t, (String, String, Vec<u8>), sql, [older_than, limit], fetch_all)
+                })
             })
-        })
-        .await
-    }
-
-    /// Removes published outbox rows.
-    pub async fn delete_outbox(&self, ids: &[i64]) -> Result<(), StoreError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
-        let sql = format!("DELETE FROM outbox WHERE id IN ({list})");
-        match &self.db {
-            Database::Postgres(pool) => {
-                sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
-                    .execute(pool)
-                    .await?;
-            }
-            Database::Sqlite(pool) => {
-                let _guard = self.sqlite_writer.lock().await;
-                sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
-                    .execute(pool)
-                    .await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Forgets processed-frame ids older than `before` (the stream's de-duplication window
-    /// has long passed by then).
-    pub async fn prune_processed(&self, before: i64) -> Result<u64, StoreError> {
-        let sql = "DELETE FROM processed_messages WHERE at_ms < $1";
-        Ok(match &self.db {
-            Database::Postgres(pool) => sqlx::query(sql)
-                .bind(before)
-                .execute(pool)
-                .await?
-                .rows_affected(),
-            Database::Sqlite(pool) => {
-                let _guard = self.sqlite_writer.lock().await;
-                sqlx::query(sqlx::AssertSqlSafe(lite(sql)))
-                    .bind(before)
-                    .execute(pool)
-                    .await?
-                    .rows_affected()
-            }
-        })
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(msg_id, subject, payload)| OutFrame {
+                msg_id,
+                subject,
+                payload,
+            })
+            .collect())
     }
 }
 

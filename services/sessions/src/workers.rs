@@ -14,8 +14,11 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::engine::{Engine, EngineError, NewTask, Placement, Plan, Requester};
+use crate::engine::{Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame};
 use crate::store::now_ms;
+use aip_bus::Delivery;
+use proto_schemas::ClientMessageType;
+use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep};
 
 /// The durable consumer's name, shared by every replica.
 pub const CONSUMER: &str = "aip-sessions";
@@ -36,8 +39,11 @@ pub async fn ensure_frames_stream(engine: &Engine) -> Result<(), aip_bus::BusErr
         .await
 }
 
-/// Consumes the frames stream until `stop`: each event is applied, then acked; a database
-/// failure naks it for redelivery. At most `max_in_flight` events are processed at once.
+/// Consumes the frames stream until `stop` (the end of this replica's leadership). Frames
+/// are read and prepared concurrently (a `task` frame needs a registry lookup) but handed to
+/// the applier in stream order; each is acked once the batch holding its change has
+/// committed, or nak'ed for redelivery when that batch failed. At most `max_in_flight`
+/// frames are unacked at once.
 pub async fn consume_frames(
     engine: Engine,
     max_in_flight: usize,
@@ -45,10 +51,10 @@ pub async fn consume_frames(
     tracker: TaskTracker,
 ) {
     let stream = engine.subjects().frames_stream();
-    let mut deliveries = loop {
+    let deliveries = loop {
         match engine
             .bus()
-            .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight * 2)
+            .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight)
             .await
         {
             Ok(d) => break d,
@@ -61,166 +67,208 @@ pub async fn consume_frames(
             }
         }
     };
-    let permits = Arc::new(Semaphore::new(max_in_flight));
-    loop {
-        let delivery = tokio::select! {
-            d = deliveries.next() => d,
-            () = stop.cancelled() => return,
-        };
-        let delivery = match delivery {
-            Some(Ok(d)) => d,
-            Some(Err(e)) => {
-                tracing::warn!("frames stream: {e}");
-                continue;
-            }
-            None => {
-                tracing::error!("the frames stream ended");
-                return;
-            }
-        };
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
-        };
-        let engine = engine.clone();
-        tracker.spawn(async move {
-            let msg_id = delivery
-                .message
-                .headers
-                .get(names::MSG_ID)
-                .map(str::to_owned)
-                .unwrap_or_else(|| format!("{}:{}", delivery.message.subject, uuid::Uuid::new_v4()));
-            let payload = match aip_bus::payload_of(engine.bus().as_ref(), &delivery.message).await {
-                Ok(payload) => payload,
-                Err(e) => {
-                    tracing::warn!(attempt = delivery.delivered, "large frame not readable yet, will retry: {e}");
-                    let _ = delivery.nak(Duration::from_secs(1)).await;
-                    return;
-                }
-            };
-            let event: GatewayEvent = match serde_json::from_slice(&payload) {
-                Ok(e) => e,
-                Err(e) => {
-                    tracing::error!(subject = %delivery.message.subject, "unreadable event in the frames stream, dropped: {e}");
-                    let _ = delivery.ack().await;
-                    return;
-                }
-            };
-            match engine.handle_event(event, &msg_id).await {
-                Ok(()) | Err(EngineError::Refused(_)) => {
-                    if let Err(e) = delivery.ack().await {
-                        tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
+    let prepare_engine = engine.clone();
+    let mut prepared = deliveries
+        .map(move |delivery| {
+            let engine = prepare_engine.clone();
+            async move {
+                match delivery {
+                    Ok(delivery) => Some(prepare(&engine, delivery).await),
+                    Err(e) => {
+                        tracing::warn!("frames stream: {e}");
+                        None
                     }
                 }
-                Err(EngineError::Store(e)) => {
+            }
+        })
+        .buffered(PREPARE_CONCURRENCY);
+    loop {
+        let next = tokio::select! {
+            next = prepared.next() => next,
+            () = stop.cancelled() => return,
+        };
+        let Some(next) = next else {
+            tracing::error!("the frames stream ended");
+            return;
+        };
+        let Some(Some((delivery, event))) = next else {
+            continue;
+        };
+        let (op_reply, done) = tokio::sync::oneshot::channel();
+        let op = match event.event {
+            GatewayEvent::Frame(inbound) => {
+                let context = FrameContext {
+                    inbound: Some(inbound.clone()),
+                    msg_id: event.msg_id.clone(),
+                };
+                (
+                    Op::Frame {
+                        inbound: Box::new(inbound),
+                        msg_id: event.msg_id,
+                        task: event.task,
+                        reply: op_reply,
+                    },
+                    context,
+                )
+            }
+            GatewayEvent::Closed(closed) => (
+                Op::Closed {
+                    client_id: closed.client_id,
+                    reply: op_reply,
+                },
+                FrameContext {
+                    inbound: None,
+                    msg_id: event.msg_id,
+                },
+            ),
+        };
+        let (op, context) = op;
+        if !engine.send_op(op).await {
+            return;
+        }
+        let engine = engine.clone();
+        tracker.spawn(async move {
+            let outcome = done.await.unwrap_or_else(|_| Err(Failure::Store("stopped".into())));
+            match outcome {
+                Ok(()) => {}
+                Err(Failure::Refused(refusal)) => {
+                    if let Some(inbound) = &context.inbound {
+                        if let Err(e) = engine.refuse_frame(inbound, &context.msg_id, refusal).await {
+                            tracing::warn!(attempt = delivery.delivered, "refusal not sent, will retry: {e}");
+                            let _ = delivery.nak(Duration::from_millis(500)).await;
+                            return;
+                        }
+                    }
+                }
+                Err(Failure::Store(e)) => {
                     tracing::warn!(attempt = delivery.delivered, "frame not applied, will retry: {e}");
                     let _ = delivery.nak(Duration::from_millis(500)).await;
+                    return;
                 }
             }
-            drop(permit);
+            if let Err(e) = delivery.ack().await {
+                tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
+            }
         });
     }
 }
 
-/// Runs planning requests, at most `concurrency` at once.
-pub async fn run_planner(
-    engine: Engine,
-    mut plans: mpsc::Receiver<String>,
-    concurrency: usize,
-    tracker: TaskTracker,
-) {
-    let permits = Arc::new(Semaphore::new(concurrency));
-    while let Some(task_id) = plans.recv().await {
+/// Frames prepared at once (registry lookups of `task` frames run concurrently).
+const PREPARE_CONCURRENCY: usize = 64;
+
+struct FrameContext {
+    inbound: Option<InboundFrame>,
+    msg_id: String,
+}
+
+struct PreparedEvent {
+    event: GatewayEvent,
+    msg_id: String,
+    task: Option<TaskFrame>,
+}
+
+/// Reads one delivery: its body (through the blob store for a large one), its event, and
+/// for a `task` frame what starting the task needs. `None` when it was settled here (an
+/// unreadable event is dropped; a body not readable yet is nak'ed).
+async fn prepare(engine: &Engine, delivery: Delivery) -> Option<(Delivery, PreparedEvent)> {
+    let msg_id = delivery
+        .message
+        .headers
+        .get(names::MSG_ID)
+        .map(str::to_owned)
+        .unwrap_or_else(|| format!("{}:{}", delivery.message.subject, uuid::Uuid::new_v4()));
+    let payload = match aip_bus::payload_of(engine.bus().as_ref(), &delivery.message).await {
+        Ok(payload) => payload,
+        Err(e) => {
+            tracing::warn!(attempt = delivery.delivered, "large frame not readable yet, will retry: {e}");
+            let _ = delivery.nak(Duration::from_secs(1)).await;
+            return None;
+        }
+    };
+    let event: GatewayEvent = match serde_json::from_slice(&payload) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(subject = %delivery.message.subject, "unreadable event in the frames stream, dropped: {e}");
+            let _ = delivery.ack().await;
+            return None;
+        }
+    };
+    let task = match &event {
+        GatewayEvent::Frame(inbound) if inbound.frame.kind == ClientMessageType::Task => {
+            Some(engine.prepare_frame(inbound).await)
+        }
+        _ => None,
+    };
+    Some((delivery, PreparedEvent { event, msg_id, task }))
+}
+
+/// Asks the remote planner for each step it is given, at most `concurrency` at once, and
+/// hands the answers to the applier.
+pub async fn run_planner(engine: Engine, mut plans: mpsc::Receiver<PlanRequest>, concurrency: usize) {
+    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
+    while let Some(request) = plans.recv().await {
         let Ok(permit) = permits.clone().acquire_owned().await else {
             return;
         };
         let engine = engine.clone();
-        tracker.spawn(async move {
-            if let Err(e) = engine.plan(&task_id).await {
-                tracing::warn!(task = %task_id, "planning failed, the sweeper retries: {e}");
-            }
+        tokio::spawn(async move {
+            let task_id = request.task_id.clone();
+            let step = i32::try_from(request.step).unwrap_or(i32::MAX);
+            let decision = ask_planner(&engine, &request).await;
+            engine
+                .send_op(Op::Planned {
+                    task_id,
+                    step,
+                    decision,
+                })
+                .await;
             drop(permit);
         });
     }
 }
 
-/// Deletes published outbox rows in batches.
-pub async fn run_outbox_cleaner(engine: Engine, mut done: mpsc::Receiver<i64>) {
-    let mut batch = Vec::new();
-    while let Some(id) = done.recv().await {
-        batch.push(id);
-        while let Ok(id) = done.try_recv() {
-            batch.push(id);
-            if batch.len() >= 1000 {
-                break;
-            }
-        }
-        if let Err(e) = engine.store.delete_outbox(&batch).await {
-            tracing::warn!("outbox cleanup failed (the rows will be re-sent by the sweeper): {e}");
-        }
-        batch.clear();
+async fn ask_planner(engine: &Engine, request: &PlanRequest) -> PlanStep {
+    let subject = engine.subjects().planner_next();
+    let payload = serde_json::to_vec(request).unwrap_or_default();
+    let timeout = Duration::from_millis(engine.settings().planner_timeout_ms);
+    match engine
+        .bus()
+        .request(subject.clone(), Headers::new(), payload.into(), timeout)
+        .await
+    {
+        Ok(reply) => match serde_json::from_slice::<Reply<PlanStep>>(&reply.payload) {
+            Ok(reply) => reply.into_result().unwrap_or_else(|e| PlanStep::Fail {
+                error: format!("the planner refused: {}", e.detail),
+            }),
+            Err(e) => PlanStep::Fail {
+                error: format!("the planner's answer is not a PlanReply: {e}"),
+            },
+        },
+        Err(aip_bus::BusError::NoResponders { .. }) => PlanStep::Fail {
+            error: format!(
+                "no planner is running on `{subject}`: start a remote planner, or give the task its steps \
+                 (metadata.steps over WebSocket, `steps` over REST)"
+            ),
+        },
+        Err(e) => PlanStep::Fail {
+            error: format!("the planner did not answer: {e}"),
+        },
     }
 }
 
-/// Every half second: fail expired tasks, plan tasks a crash left unplanned, re-send outbox
-/// rows a crash left unsent; every minute, forget old processed-frame ids.
-pub async fn run_sweeper(engine: Engine, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let mut rounds: u64 = 0;
+/// Every second while leading: re-sends outbox rows older than five seconds (a publish that
+/// failed, or frames a crash left unsent; gateways drop the copies they already delivered).
+pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             () = stop.cancelled() => return,
         }
-        rounds += 1;
-        let now = now_ms();
-        match engine.store.due_deadlines(now, 200).await {
-            Ok(ids) => {
-                for id in ids {
-                    if let Err(e) = engine.expire(&id).await {
-                        tracing::warn!(task = %id, "timeout not applied: {e}");
-                    }
-                }
-            }
-            Err(e) => tracing::warn!("deadline sweep failed: {e}"),
-        }
-        match engine.store.due_plans(now - 5_000, 200).await {
-            Ok(ids) => {
-                for id in ids {
-                    if let Err(e) = engine.plan(&id).await {
-                        tracing::warn!(task = %id, "planning retry failed: {e}");
-                    }
-                }
-            }
-            Err(e) => tracing::warn!("planning sweep failed: {e}"),
-        }
-        match engine.store.stale_outbox(now - 5_000, 500).await {
-            Ok(rows) => {
-                let mut sent = Vec::new();
-                for row in rows {
-                    let headers = crate::engine::delivery_headers(row.id);
-                    let publish = engine.blobs().publish(
-                        engine.bus().as_ref(),
-                        row.subject.clone(),
-                        headers,
-                        row.payload.into(),
-                    );
-                    match publish.await {
-                        Ok(()) => sent.push(row.id),
-                        Err(e) => {
-                            tracing::warn!(subject = %row.subject, "outbox re-send failed: {e}")
-                        }
-                    }
-                }
-                if let Err(e) = engine.store.delete_outbox(&sent).await {
-                    tracing::warn!("outbox cleanup failed: {e}");
-                }
-            }
+        match engine.store.stale_outbox(now_ms() - 5_000, 500).await {
+            Ok(rows) if !rows.is_empty() => engine.publish_frames(rows).await,
+            Ok(_) => {}
             Err(e) => tracing::warn!("outbox sweep failed: {e}"),
-        }
-        if rounds % 120 == 0 {
-            if let Err(e) = engine.store.prune_processed(now - 3_600_000).await {
-                tracing::warn!("pruning processed frame ids failed: {e}");
-            }
         }
     }
 }
@@ -250,7 +298,7 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
             let reply: Reply<TaskAccepted> =
                 match serde_json::from_slice::<TaskRequest>(&message.payload) {
                     Ok(request) => match new_task_from_request(request, Requester::Nats) {
-                        Ok(new) => match engine.submit(new, None).await {
+                        Ok(new) => match engine.submit(new).await {
                             Ok(started) => Reply::Ok(accepted(&started.task)),
                             Err(EngineError::Refused(body)) => Reply::Error(body),
                             Err(EngineError::Store(e)) => {

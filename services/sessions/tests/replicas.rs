@@ -1,5 +1,7 @@
-//! Two session service replicas share one NATS and one PostgreSQL: they split the frames
-//! stream between them, and no task is corrupted (every log gap-free, every step once).
+//! Two session service replicas share one NATS and one PostgreSQL, active/standby: the first
+//! leads and applies every change; the second serves reads, refuses changes with a clear
+//! UNAVAILABLE, is not ready, and takes over when the leader stops, finishing the tasks the
+//! leader left mid-flight. No task is corrupted: every log gap-free, every step run once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -8,32 +10,76 @@ use std::sync::{Arc, Mutex};
 use aip_testkit::frames::{command_results_for, device_register};
 use aip_testkit::{Backend, Client, Options, Stack, eventually, get_json, post_json};
 use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 const DEVICES: usize = 6;
 const TASKS_PER_DEVICE: usize = 4;
 const STEPS: usize = 3;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_replicas_share_the_work_without_corrupting_a_task() {
-    let stack = Stack::start(Backend::NatsPostgres, Options::default())
-        .await
-        .expect("stack");
+struct Replica {
+    url: String,
+    stop: oneshot::Sender<()>,
+    handle: JoinHandle<std::io::Result<()>>,
+}
+
+async fn replica(stack: &Stack) -> Replica {
     let mut settings = aip_sessions::Settings {
         subject_prefix: stack.prefix.clone(),
         ..Default::default()
     };
     settings.sessions.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    settings.sessions.standby_retry_ms = 200;
     let db = aip_store::Database::connect(&stack.database_url)
         .await
         .expect("db");
-    let second = aip_sessions::Application::build(settings, stack.bus.clone(), db)
+    let app = aip_sessions::Application::build(settings, stack.bus.clone(), db)
         .await
         .expect("replica");
-    let second_url = format!("http://{}", second.local_addr());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let replica = tokio::spawn(second.run_until(async move {
-        let _ = stop_rx.await;
+    let url = format!("http://{}", app.local_addr());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let handle = tokio::spawn(app.run_until(async move {
+        let _ = stopped.await;
     }));
+    Replica { url, stop, handle }
+}
+
+async fn readyz(base: &str) -> (u16, String) {
+    let response = reqwest::get(format!("{base}/readyz")).await.expect("readyz");
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap_or_default())
+}
+
+fn task_body(n: usize) -> Value {
+    let steps: Vec<Value> = (0..STEPS)
+        .map(|s| json!([{ "tool_name": "echo", "tool_type": "action", "parameters": { "s": s } }]))
+        .collect();
+    json!({ "version": 1, "description": format!("t{n}"), "originating_agent_id": "replicas",
+        "target_id": format!("r-{}", n % DEVICES), "steps": steps })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
+    let options = Options {
+        sessions: false,
+        ..Options::default()
+    };
+    let stack = Stack::start(Backend::NatsPostgres, options)
+        .await
+        .expect("stack");
+    let first = replica(&stack).await;
+    eventually("the first replica leads", || async {
+        (readyz(&first.url).await.0 == 200).then_some(())
+    })
+    .await
+    .expect("leader");
+    let second = replica(&stack).await;
+
+    // The standby is not ready and refuses changes, saying why.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let (status, text) = readyz(&second.url).await;
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("standby"), "{text}");
 
     let executed: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
     let mut devices = Vec::new();
@@ -64,22 +110,41 @@ async fn two_replicas_share_the_work_without_corrupting_a_task() {
         }));
     }
 
+    let (status, refused) = post_json(&format!("{}/api/tasks", second.url), &task_body(0)).await;
+    assert_eq!(status, 503, "{refused}");
+    assert_eq!(refused["error_code"], "UNAVAILABLE", "{refused}");
+    assert!(
+        refused["detail"].as_str().unwrap_or_default().contains("standby"),
+        "{refused}"
+    );
+
+    let half = DEVICES * TASKS_PER_DEVICE / 2;
     let mut ids = Vec::new();
-    for n in 0..DEVICES * TASKS_PER_DEVICE {
-        let base = if n % 2 == 0 {
-            stack.sessions_url()
-        } else {
-            second_url.clone()
-        };
-        let steps: Vec<Value> = (0..STEPS).map(|s| json!([{ "tool_name": "echo", "tool_type": "action", "parameters": { "s": s } }])).collect();
-        let body = json!({ "version": 1, "description": format!("t{n}"), "originating_agent_id": "replicas",
-            "target_id": format!("r-{}", n % DEVICES), "steps": steps });
-        let (status, task) = post_json(&format!("{base}/api/tasks"), &body).await;
+    for n in 0..half {
+        let (status, task) = post_json(&format!("{}/api/tasks", first.url), &task_body(n)).await;
         assert_eq!(status, 201, "{task}");
         ids.push(task["task_id"].as_str().expect("id").to_owned());
     }
+    // Reads work on the standby.
+    let (status, task) = get_json(&format!("{}/api/tasks/{}", second.url, ids[0])).await;
+    assert_eq!(status, 200, "{task}");
+
+    // The leader stops with tasks mid-flight; the standby takes over and finishes them.
+    let _ = first.stop.send(());
+    let _ = first.handle.await;
+    eventually("the second replica leads", || async {
+        (readyz(&second.url).await.0 == 200).then_some(())
+    })
+    .await
+    .expect("takeover");
+    for n in half..DEVICES * TASKS_PER_DEVICE {
+        let (status, task) = post_json(&format!("{}/api/tasks", second.url), &task_body(n)).await;
+        assert_eq!(status, 201, "{task}");
+        ids.push(task["task_id"].as_str().expect("id").to_owned());
+    }
+
     for id in &ids {
-        let url = format!("{}/api/tasks/{id}", stack.sessions_url());
+        let url = format!("{}/api/tasks/{id}", second.url);
         let task = eventually(&format!("{id} done"), || async {
             let (_, t) = get_json(&url).await;
             t["state"]
@@ -90,7 +155,7 @@ async fn two_replicas_share_the_work_without_corrupting_a_task() {
         .await
         .expect("ends");
         assert_eq!(task["state"], "completed", "{task}");
-        let (_, log) = get_json(&format!("{second_url}/api/tasks/{id}/events")).await;
+        let (_, log) = get_json(&format!("{}/api/tasks/{id}/events", second.url)).await;
         let seqs: Vec<i64> = log["events"]
             .as_array()
             .expect("events")
@@ -121,7 +186,7 @@ async fn two_replicas_share_the_work_without_corrupting_a_task() {
     for d in devices {
         d.abort();
     }
-    let _ = stop_tx.send(());
-    let _ = replica.await;
+    let _ = second.stop.send(());
+    let _ = second.handle.await;
     stack.stop().await;
 }
