@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Benchmarks the distributed mode on this machine's NATS and PostgreSQL: starts the release
+# aip-registry, aip-sessions and 1 or 2 aip-gateway processes on a fresh database
+# (aip_bench_*) and a fresh subject prefix (bench*), with the per-connection frame limit
+# off, runs bench/matrix.sh against them, then stops them, deletes the prefix's JetStream
+# streams and drops the database.
+#
+# Usage: bench/distributed.sh [--gateways 1|2]
+#
+# With 2 gateways every run with 2 or more clients is split over two `aip bench` processes
+# side by side, half the clients on each gateway (see bench/README.md).
+#
+# Results: bench/results/distributed-<N>gw/ (bench/results-quick/... with BENCH_QUICK=1).
+# Environment: see bench/matrix.sh and bench/lib.sh (BENCH_NATS_URL, BENCH_PG_HOST, ...),
+# BENCH_RUST_LOG (default info).
+set -euo pipefail
+# shellcheck source=bench/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+GATEWAYS=1
+while (($#)); do
+  case "$1" in
+    --gateways) GATEWAYS="${2:-}"; shift 2 || { echo "--gateways needs a value" >&2; exit 2; } ;;
+    --gateways=*) GATEWAYS="${1#*=}"; shift ;;
+    -h | --help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "distributed.sh: unknown argument $1 (usage: bench/distributed.sh [--gateways 1|2])" >&2; exit 2 ;;
+  esac
+done
+[[ "$GATEWAYS" == 1 || "$GATEWAYS" == 2 ]] ||
+  { echo "distributed.sh: --gateways must be 1 or 2, got '$GATEWAYS'" >&2; exit 2; }
+
+bench_init
+require_bins aip aip-gateway aip-registry aip-sessions
+check_infra
+
+MODE="distributed-${GATEWAYS}gw"
+DIR="$(prepare_mode_dir "$MODE")"
+record_machine "$DIR" infra
+pg_create_db "${GATEWAYS}gw"
+new_prefix
+log "$MODE: database $BENCH_DB, subject prefix $BENCH_PREFIX, NATS $BENCH_NATS_URL"
+
+COMMON=(env "AIP_NATS_URL=$BENCH_NATS_URL" "AIP_DATABASE_URL=$(pg_url "$BENCH_DB")"
+  "AIP_SUBJECT_PREFIX=$BENCH_PREFIX" "RUST_LOG=${BENCH_RUST_LOG:-info}")
+COMMANDS=()
+PIDS=()
+
+REGISTRY_PORT="$(free_port)"
+cmd=("${COMMON[@]}" "AIP_REGISTRY__LISTEN=127.0.0.1:$REGISTRY_PORT"
+  AIP_REGISTRY__SHUTDOWN_GRACE_MS=3000 "$(bin aip-registry)")
+start_proc aip-registry "$DIR/logs/aip-registry.log" "${cmd[@]}"
+PIDS+=("$STARTED_PID")
+COMMANDS+=("$(json_array "${cmd[@]}")")
+wait_ready "http://127.0.0.1:$REGISTRY_PORT/readyz" "$STARTED_PID" aip-registry "$DIR/logs/aip-registry.log"
+
+SESSIONS_PORT="$(free_port)"
+cmd=("${COMMON[@]}" "AIP_SESSIONS__LISTEN=127.0.0.1:$SESSIONS_PORT"
+  AIP_SESSIONS__SHUTDOWN_GRACE_MS=3000 "$(bin aip-sessions)")
+start_proc aip-sessions "$DIR/logs/aip-sessions.log" "${cmd[@]}"
+PIDS+=("$STARTED_PID")
+COMMANDS+=("$(json_array "${cmd[@]}")")
+wait_ready "http://127.0.0.1:$SESSIONS_PORT/readyz" "$STARTED_PID" aip-sessions "$DIR/logs/aip-sessions.log"
+
+URL_ARGS=()
+for ((g = 1; g <= GATEWAYS; g++)); do
+  port="$(free_port)"
+  cmd=("${COMMON[@]}" "AIP_GATEWAY__LISTEN=127.0.0.1:$port" "AIP_GATEWAY__GATEWAY_ID=$BENCH_PREFIX-gw$g"
+    AIP_GATEWAY__FRAMES_PER_SECOND=0 AIP_GATEWAY__SHUTDOWN_GRACE_MS=3000 "$(bin aip-gateway)")
+  start_proc "aip-gateway $g" "$DIR/logs/aip-gateway-$g.log" "${cmd[@]}"
+  PIDS+=("$STARTED_PID")
+  COMMANDS+=("$(json_array "${cmd[@]}")")
+  wait_ready "http://127.0.0.1:$port/readyz" "$STARTED_PID" "aip-gateway $g" "$DIR/logs/aip-gateway-$g.log"
+  URL_ARGS+=(--url "ws://127.0.0.1:$port/ws")
+done
+
+python3 - "$DIR/run.json" "$MODE" "$GATEWAYS" "${COMMANDS[@]}" <<'PY'
+import json, sys
+out, mode, gateways = sys.argv[1], sys.argv[2], int(sys.argv[3])
+json.dump({"mode": mode, "gateways": gateways,
+           "description": f"distributed: aip-registry, aip-sessions and {gateways} "
+                          "aip-gateway on NATS (JetStream) and PostgreSQL",
+           "broker_commands": [json.loads(c) for c in sys.argv[4:]]},
+          open(out, "w"), indent=2)
+PY
+
+PID_ARGS=()
+for pid in "${PIDS[@]}"; do PID_ARGS+=(--pid "$pid"); done
+run_tracked "bench/matrix.sh ($MODE)" "$BENCH_DIR/matrix.sh" --mode "$MODE" --dir "$DIR" \
+  "${URL_ARGS[@]}" --rest "http://127.0.0.1:$SESSIONS_PORT" "${PID_ARGS[@]}" --infra-db "$BENCH_DB"
+log "$MODE: done; results in $DIR"
