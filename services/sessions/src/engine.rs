@@ -350,79 +350,51 @@ impl Engine {
         })
     }
 
-    /// Prepares a client `task` frame: UFO's rules for who may ask what, the task it starts,
-    /// and whether it may echo a UFO dispatch.
-    pub async fn prepare_frame(&self, inbound: &InboundFrame) -> TaskFrame {
-        let frame = &inbound.frame;
-        let target = frame.target_id.clone().filter(|t| !t.is_empty());
-        let refuse = |code: ErrorCode, detail: &str| TaskFrame {
-            echo_name: None,
-            start: Err(ErrorBody::new(code, detail)),
+    /// Prepares the `task` frames of a chunk of stream messages together: each frame's task
+    /// (UFO's rules for who may ask what), its executor candidates (registry requests run
+    /// concurrently) and, in one database read for the whole chunk, the owners of the task
+    /// ids that are taken.
+    pub async fn prepare_frames(&self, frames: &[&InboundFrame]) -> Vec<TaskFrame> {
+        let planned: Vec<(Option<String>, Result<NewTask, ErrorBody>)> =
+            frames.iter().map(|f| task_of_frame(f)).collect();
+        let ids: Vec<String> = planned
+            .iter()
+            .filter_map(|(_, new)| new.as_ref().ok()?.task_id.clone())
+            .collect();
+        let owners = if ids.is_empty() {
+            Ok(Default::default())
+        } else {
+            self.store.owners(&ids).await
         };
-        let (placement, echo_name) = match inbound.client_type {
-            ClientType::Constellation => {
-                let Some(target) = target else {
-                    return refuse(
-                        ErrorCode::ProtocolError,
-                        "Constellation task requests require target_id",
-                    );
-                };
-                (Placement::Target(target), None)
+        let resolved = futures::future::join_all(planned.iter().map(|(_, new)| async move {
+            match new {
+                Ok(new) => self.resolve(new).await,
+                Err(e) => Err(e.clone()),
             }
-            ClientType::Device => {
-                if target.as_ref().is_some_and(|t| *t != inbound.client_id) {
-                    return refuse(
-                        ErrorCode::Forbidden,
-                        "Device clients may not target other devices",
-                    );
-                }
-                (
-                    Placement::Target(inbound.client_id.clone()),
-                    frame.task_name.clone(),
-                )
-            }
-        };
-        let plan = match frame.metadata_value("steps") {
-            Some(steps) => match serde_json::from_value(steps.clone()) {
-                Ok(steps) => Plan::Scripted(steps),
-                Err(e) => {
-                    return TaskFrame {
-                        echo_name,
-                        start: Err(ErrorBody::new(
-                            ErrorCode::ProtocolError,
-                            format!("task frame: field `metadata.steps`: must be a list of lists of Commands: {e}"),
-                        )),
+        }))
+        .await;
+        planned
+            .into_iter()
+            .zip(resolved)
+            .map(|((echo_name, new), candidates)| {
+                let start = new.and_then(|new| {
+                    let candidates = candidates?;
+                    let existing_owner = match (&new.task_id, &owners) {
+                        (Some(id), Ok(owners)) => owners.get(id).cloned(),
+                        (Some(_), Err(e)) => {
+                            return Err(ErrorBody::new(ErrorCode::Unavailable, e.to_string()));
+                        }
+                        (None, _) => None,
                     };
-                }
-            },
-            None => Plan::Remote,
-        };
-        let new = NewTask {
-            task_id: frame.session_id.clone().filter(|s| !s.is_empty()),
-            task_name: Some(sanitize_task_name(frame.task_name.as_deref())),
-            request: frame.request.clone().unwrap_or_default(),
-            data: frame.metadata_value("data").cloned(),
-            requester: Requester::Client {
-                id: inbound.client_id.clone(),
-                client_type: inbound.client_type,
-            },
-            placement,
-            plan,
-            priority: frame
-                .metadata_value("priority")
-                .and_then(serde_json::Value::as_i64)
-                .map(|p| p as i32)
-                .unwrap_or(0),
-            callback_url: None,
-            timeout_secs: frame
-                .metadata_value("timeout_secs")
-                .and_then(serde_json::Value::as_u64),
-            ufo_dispatch: false,
-        };
-        TaskFrame {
-            echo_name,
-            start: self.prepare(new).await,
-        }
+                    Ok(Prepared {
+                        new,
+                        candidates,
+                        existing_owner,
+                    })
+                });
+                TaskFrame { echo_name, start }
+            })
+            .collect()
     }
 
     /// Finds the executor candidates: an explicit target must be an online device; otherwise
@@ -609,6 +581,81 @@ impl Engine {
         }
         self.mark_published(sent);
     }
+}
+
+/// The task a client `task` frame asks for, by UFO's rules (a constellation names its target
+/// device; a device may only target itself), and for a device's frame with a task name the
+/// name of the UFO dispatch it may echo.
+fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, ErrorBody>) {
+    let frame = &inbound.frame;
+    let target = frame.target_id.clone().filter(|t| !t.is_empty());
+    let (placement, echo_name) = match inbound.client_type {
+        ClientType::Constellation => {
+            let Some(target) = target else {
+                return (
+                    None,
+                    Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        "Constellation task requests require target_id",
+                    )),
+                );
+            };
+            (Placement::Target(target), None)
+        }
+        ClientType::Device => {
+            if target.as_ref().is_some_and(|t| *t != inbound.client_id) {
+                return (
+                    None,
+                    Err(ErrorBody::new(
+                        ErrorCode::Forbidden,
+                        "Device clients may not target other devices",
+                    )),
+                );
+            }
+            (
+                Placement::Target(inbound.client_id.clone()),
+                frame.task_name.clone(),
+            )
+        }
+    };
+    let plan = match frame.metadata_value("steps") {
+        Some(steps) => match serde_json::from_value(steps.clone()) {
+            Ok(steps) => Plan::Scripted(steps),
+            Err(e) => {
+                return (
+                    echo_name,
+                    Err(ErrorBody::new(
+                        ErrorCode::ProtocolError,
+                        format!("task frame: field `metadata.steps`: must be a list of lists of Commands: {e}"),
+                    )),
+                );
+            }
+        },
+        None => Plan::Remote,
+    };
+    let new = NewTask {
+        task_id: frame.session_id.clone().filter(|s| !s.is_empty()),
+        task_name: Some(sanitize_task_name(frame.task_name.as_deref())),
+        request: frame.request.clone().unwrap_or_default(),
+        data: frame.metadata_value("data").cloned(),
+        requester: Requester::Client {
+            id: inbound.client_id.clone(),
+            client_type: inbound.client_type,
+        },
+        placement,
+        plan,
+        priority: frame
+            .metadata_value("priority")
+            .and_then(serde_json::Value::as_i64)
+            .map(|p| p as i32)
+            .unwrap_or(0),
+        callback_url: None,
+        timeout_secs: frame
+            .metadata_value("timeout_secs")
+            .and_then(serde_json::Value::as_u64),
+        ufo_dispatch: false,
+    };
+    (echo_name, Ok(new))
 }
 
 /// Runs the applier until `stop`: waits to lead, then applies ops in batches; gives up the

@@ -208,13 +208,21 @@ impl Machine {
             dirty: Vec::new(),
             dirty_set: HashSet::new(),
         };
+        let mut unplanned = Vec::new();
         for task in live {
             core.index(&task);
-            if task.needs_plan && task.planner == "remote" {
-                core.pending.plans.push(plan_request(&task));
-                core.planning.insert(task.task_id.clone(), now_ms());
+            if task.needs_plan {
+                unplanned.push(task.task_id.clone());
             }
             core.tasks.insert(task.task_id.clone(), task);
+        }
+        // Steps a crash left unplanned (a scripted one is planned at once, a remote one
+        // after the first commit).
+        for id in unplanned {
+            let _ = core.with_task(&id, |core, task| {
+                core.plan(task);
+                Ok(())
+            });
         }
         core
     }

@@ -523,6 +523,37 @@ impl TaskStore {
         .await
     }
 
+    /// The requesters of those of these task ids that exist, in one query.
+    pub async fn owners(
+        &self,
+        task_ids: &[String],
+    ) -> Result<std::collections::HashMap<String, String>, StoreError> {
+        let mut owners = std::collections::HashMap::new();
+        for chunk in task_ids.chunks(ROWS_PER_STATEMENT) {
+            let rows: Vec<(String, String)> = match &self.db {
+                Database::Postgres(pool) => {
+                    sqlx::query_as("SELECT task_id, requester_id FROM tasks WHERE task_id = ANY($1)")
+                        .bind(chunk)
+                        .fetch_all(pool)
+                        .await?
+                }
+                Database::Sqlite(pool) => {
+                    let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                        "SELECT task_id, requester_id FROM tasks WHERE task_id IN (",
+                    );
+                    let mut list = q.separated(", ");
+                    for id in chunk {
+                        list.push_bind(id.clone());
+                    }
+                    q.push(")");
+                    q.build_query_as().fetch_all(pool).await?
+                }
+            };
+            owners.extend(rows);
+        }
+        Ok(owners)
+    }
+
     /// Whether the frame with this id was applied.
     pub async fn processed(&self, msg_id: &str) -> Result<bool, StoreError> {
         let msg_id = msg_id.to_owned();

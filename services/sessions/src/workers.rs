@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::{Headers, StreamSpec, names};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use proto_schemas::flow::TaskRequest;
 use proto_schemas::registry::Reply;
 use proto_schemas::sessions::{GatewayEvent, TaskAccepted};
@@ -14,7 +14,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::engine::{Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame};
+use crate::engine::{Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester};
 use crate::store::now_ms;
 use aip_bus::Delivery;
 use proto_schemas::ClientMessageType;
@@ -40,10 +40,11 @@ pub async fn ensure_frames_stream(engine: &Engine) -> Result<(), aip_bus::BusErr
 }
 
 /// Consumes the frames stream until `stop` (the end of this replica's leadership). Frames
-/// are read and prepared concurrently (a `task` frame needs a registry lookup) but handed to
-/// the applier in stream order; each is acked once the batch holding its change has
-/// committed, or nak'ed for redelivery when that batch failed. At most `max_in_flight`
-/// frames are unacked at once.
+/// are taken in chunks of whatever has arrived: a chunk is read and prepared together (its
+/// `task` frames' registry lookups run concurrently, the ids they claim are checked in one
+/// query) and handed to the applier in stream order. Each frame is acked once the batch
+/// holding its change has committed, or nak'ed for redelivery when that batch failed. At most
+/// `max_in_flight` frames are unacked at once.
 pub async fn consume_frames(
     engine: Engine,
     max_in_flight: usize,
@@ -51,7 +52,7 @@ pub async fn consume_frames(
     tracker: TaskTracker,
 ) {
     let stream = engine.subjects().frames_stream();
-    let deliveries = loop {
+    let mut deliveries = loop {
         match engine
             .bus()
             .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight)
@@ -67,110 +68,113 @@ pub async fn consume_frames(
             }
         }
     };
-    let prepare_engine = engine.clone();
-    let mut prepared = deliveries
-        .map(move |delivery| {
-            let engine = prepare_engine.clone();
-            async move {
-                match delivery {
-                    Ok(delivery) => Some(prepare(&engine, delivery).await),
-                    Err(e) => {
-                        tracing::warn!("frames stream: {e}");
-                        None
-                    }
-                }
-            }
-        })
-        .buffered(PREPARE_CONCURRENCY);
     loop {
-        let next = tokio::select! {
-            next = prepared.next() => next,
+        let first = tokio::select! {
+            next = deliveries.next() => next,
             () = stop.cancelled() => return,
         };
-        let Some(next) = next else {
+        let Some(first) = first else {
             tracing::error!("the frames stream ended");
             return;
         };
-        let Some(Some((delivery, event))) = next else {
-            continue;
-        };
-        let (op_reply, done) = tokio::sync::oneshot::channel();
-        let op = match event.event {
-            GatewayEvent::Frame(inbound) => {
-                let context = FrameContext {
-                    inbound: Some(inbound.clone()),
-                    msg_id: event.msg_id.clone(),
-                };
-                (
-                    Op::Frame {
-                        inbound: Box::new(inbound),
-                        msg_id: event.msg_id,
-                        task: event.task,
-                        reply: op_reply,
-                    },
-                    context,
-                )
+        let mut chunk = vec![first];
+        while chunk.len() < CHUNK {
+            match deliveries.next().now_or_never() {
+                Some(Some(next)) => chunk.push(next),
+                _ => break,
             }
-            GatewayEvent::Closed(closed) => (
-                Op::Closed {
-                    client_id: closed.client_id,
-                    reply: op_reply,
-                },
-                FrameContext {
-                    inbound: None,
-                    msg_id: event.msg_id,
-                },
-            ),
-        };
-        let (op, context) = op;
-        if !engine.send_op(op).await {
-            return;
         }
-        let engine = engine.clone();
-        tracker.spawn(async move {
-            let outcome = done.await.unwrap_or_else(|_| Err(Failure::Store("stopped".into())));
-            match outcome {
-                Ok(()) => {}
-                Err(Failure::Refused(refusal)) => {
-                    if let Some(inbound) = &context.inbound {
-                        if let Err(e) = engine.refuse_frame(inbound, &context.msg_id, refusal).await {
-                            tracing::warn!(attempt = delivery.delivered, "refusal not sent, will retry: {e}");
-                            let _ = delivery.nak(Duration::from_millis(500)).await;
-                            return;
-                        }
-                    }
+        let read = futures::future::join_all(chunk.into_iter().filter_map(|d| match d {
+            Ok(d) => Some(read_event(&engine, d)),
+            Err(e) => {
+                tracing::warn!("frames stream: {e}");
+                None
+            }
+        }))
+        .await;
+        let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
+        let task_frames: Vec<&InboundFrame> = events
+            .iter()
+            .filter_map(|(_, _, event)| match event {
+                GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => Some(f),
+                _ => None,
+            })
+            .collect();
+        let mut prepared = engine.prepare_frames(&task_frames).await.into_iter();
+        for (delivery, msg_id, event) in events {
+            let (reply, done) = tokio::sync::oneshot::channel();
+            let (op, inbound) = match event {
+                GatewayEvent::Frame(inbound) => {
+                    let task = if inbound.frame.kind == ClientMessageType::Task {
+                        prepared.next()
+                    } else {
+                        None
+                    };
+                    let op = Op::Frame {
+                        inbound: Box::new(inbound.clone()),
+                        msg_id: msg_id.clone(),
+                        task,
+                        reply,
+                    };
+                    (op, Some(inbound))
                 }
-                Err(Failure::Store(e)) => {
-                    tracing::warn!(attempt = delivery.delivered, "frame not applied, will retry: {e}");
+                GatewayEvent::Closed(closed) => (
+                    Op::Closed {
+                        client_id: closed.client_id,
+                        reply,
+                    },
+                    None,
+                ),
+            };
+            if !engine.send_op(op).await {
+                return;
+            }
+            let engine = engine.clone();
+            tracker.spawn(settle(engine, delivery, msg_id, inbound, done));
+        }
+    }
+}
+
+/// Stream messages taken into one chunk at most.
+const CHUNK: usize = 256;
+
+/// Acks a frame once its change committed (after answering a refused one), or naks it.
+async fn settle(
+    engine: Engine,
+    delivery: Delivery,
+    msg_id: String,
+    inbound: Option<InboundFrame>,
+    done: tokio::sync::oneshot::Receiver<Result<(), Failure>>,
+) {
+    let outcome = done
+        .await
+        .unwrap_or_else(|_| Err(Failure::Store("the applier stopped".into())));
+    match outcome {
+        Ok(()) => {}
+        Err(Failure::Refused(refusal)) => {
+            if let Some(inbound) = &inbound {
+                if let Err(e) = engine.refuse_frame(inbound, &msg_id, refusal).await {
+                    tracing::warn!(attempt = delivery.delivered, "refusal not sent, will retry: {e}");
                     let _ = delivery.nak(Duration::from_millis(500)).await;
                     return;
                 }
             }
-            if let Err(e) = delivery.ack().await {
-                tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
-            }
-        });
+        }
+        Err(Failure::Store(e)) => {
+            tracing::warn!(attempt = delivery.delivered, "frame not applied, will retry: {e}");
+            let _ = delivery.nak(Duration::from_millis(500)).await;
+            return;
+        }
+    }
+    if let Err(e) = delivery.ack().await {
+        tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
     }
 }
 
-/// Frames prepared at once (registry lookups of `task` frames run concurrently).
-const PREPARE_CONCURRENCY: usize = 64;
-
-struct FrameContext {
-    inbound: Option<InboundFrame>,
-    msg_id: String,
-}
-
-struct PreparedEvent {
-    event: GatewayEvent,
-    msg_id: String,
-    task: Option<TaskFrame>,
-}
-
-/// Reads one delivery: its body (through the blob store for a large one), its event, and
-/// for a `task` frame what starting the task needs. `None` when it was settled here (an
-/// unreadable event is dropped; a body not readable yet is nak'ed).
-async fn prepare(engine: &Engine, delivery: Delivery) -> Option<(Delivery, PreparedEvent)> {
+/// Reads one delivery: its message id, and its event (through the blob store for a large
+/// body). `None` when it was settled here: an unreadable event is dropped, a body not
+/// readable yet is nak'ed.
+async fn read_event(engine: &Engine, delivery: Delivery) -> Option<(Delivery, String, GatewayEvent)> {
     let msg_id = delivery
         .message
         .headers
@@ -185,21 +189,14 @@ async fn prepare(engine: &Engine, delivery: Delivery) -> Option<(Delivery, Prepa
             return None;
         }
     };
-    let event: GatewayEvent = match serde_json::from_slice(&payload) {
-        Ok(e) => e,
+    match serde_json::from_slice(&payload) {
+        Ok(event) => Some((delivery, msg_id, event)),
         Err(e) => {
             tracing::error!(subject = %delivery.message.subject, "unreadable event in the frames stream, dropped: {e}");
             let _ = delivery.ack().await;
-            return None;
+            None
         }
-    };
-    let task = match &event {
-        GatewayEvent::Frame(inbound) if inbound.frame.kind == ClientMessageType::Task => {
-            Some(engine.prepare_frame(inbound).await)
-        }
-        _ => None,
-    };
-    Some((delivery, PreparedEvent { event, msg_id, task }))
+    }
 }
 
 /// Asks the remote planner for each step it is given, at most `concurrency` at once, and
