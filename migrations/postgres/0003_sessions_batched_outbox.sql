@@ -6,7 +6,6 @@ CREATE TABLE task_outbox (
     payload     bytea NOT NULL,
     created_ms  bigint NOT NULL
 );
-CREATE INDEX task_outbox_created_idx ON task_outbox (created_ms);
 
 -- Frames a crash left unsent under the old layout keep their old message ids.
 INSERT INTO task_outbox (msg_id, subject, payload, created_ms)
@@ -14,3 +13,12 @@ INSERT INTO task_outbox (msg_id, subject, payload, created_ms)
 DROP TABLE outbox;
 
 CREATE INDEX processed_messages_at_idx ON processed_messages (at_ms);
+
+-- The leader keeps live tasks, queues and deadlines in memory, so the indexes that served
+-- per-change queries only slow every write down. Taking over needs the live tasks once.
+DROP INDEX tasks_executor_live_idx;
+DROP INDEX tasks_requester_live_idx;
+DROP INDEX tasks_deadline_idx;
+DROP INDEX tasks_needs_plan_idx;
+CREATE INDEX tasks_live_idx ON tasks (created_ms)
+    WHERE state IN ('submitted', 'dispatched', 'working', 'input_required');

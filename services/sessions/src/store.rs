@@ -240,6 +240,21 @@ impl Batch {
 /// × 500 rows = 14,500 parameters; SQLite allows 32,766, PostgreSQL 65,535).
 const ROWS_PER_STATEMENT: usize = 500;
 
+/// Splits rows into slices of a few fixed sizes (256, 32, 4 and 1 rows), so a multi-row
+/// statement has one of a few texts and stays in the connection's prepared-statement cache
+/// instead of being parsed again for every batch size.
+fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
+    let mut chunks = Vec::new();
+    for size in [256, 32, 4, 1] {
+        while rows.len() >= size {
+            let (head, tail) = rows.split_at(size);
+            chunks.push(head);
+            rows = tail;
+        }
+    }
+    chunks
+}
+
 /// The leader's own connection. It holds the leadership (a session-level advisory lock on
 /// PostgreSQL, released by the server when the connection ends) and writes every batch, so a
 /// replica that lost its connection can no longer write: its transaction fails.
@@ -254,7 +269,7 @@ macro_rules! write_batch {
     ($conn:expr, $db:ty, $batch:expr, $prune_sql:expr) => {{
         let batch = $batch;
         let mut tx = sqlx::Connection::begin($conn).await?;
-        for rows in batch.tasks.chunks(ROWS_PER_STATEMENT) {
+        for rows in sized_chunks(&batch.tasks) {
             let mut q = sqlx::QueryBuilder::<$db>::new(format!("INSERT INTO tasks ({TASK_COLUMNS}) "));
             q.push_values(rows, |mut b, t| {
                 b.push_bind(t.task_id.clone())
@@ -297,7 +312,7 @@ macro_rules! write_batch {
             );
             q.build().execute(&mut *tx).await?;
         }
-        for rows in batch.events.chunks(ROWS_PER_STATEMENT) {
+        for rows in sized_chunks(&batch.events) {
             let mut q = sqlx::QueryBuilder::<$db>::new(
                 "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) ",
             );
@@ -312,7 +327,7 @@ macro_rules! write_batch {
             q.build().execute(&mut *tx).await?;
         }
         let now = now_ms();
-        for ids in batch.processed.chunks(ROWS_PER_STATEMENT) {
+        for ids in sized_chunks(&batch.processed) {
             let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO processed_messages (msg_id, at_ms) ");
             q.push_values(ids, |mut b, id| {
                 b.push_bind(id.clone()).push_bind(now);
@@ -320,7 +335,7 @@ macro_rules! write_batch {
             q.push(" ON CONFLICT (msg_id) DO NOTHING");
             q.build().execute(&mut *tx).await?;
         }
-        for rows in batch.outbox.chunks(ROWS_PER_STATEMENT) {
+        for rows in sized_chunks(&batch.outbox) {
             let mut q = sqlx::QueryBuilder::<$db>::new(
                 "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) ",
             );
@@ -332,7 +347,7 @@ macro_rules! write_batch {
             });
             q.build().execute(&mut *tx).await?;
         }
-        for ids in batch.published.chunks(ROWS_PER_STATEMENT) {
+        for ids in sized_chunks(&batch.published) {
             let mut q = sqlx::QueryBuilder::<$db>::new("DELETE FROM task_outbox WHERE msg_id IN (");
             let mut list = q.separated(", ");
             for id in ids {
@@ -608,4 +623,21 @@ pub struct ListFilter {
     pub cursor: Option<(i64, String)>,
     /// At most this many.
     pub limit: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sized_chunks;
+
+    #[test]
+    fn rows_are_split_into_a_few_fixed_sizes_and_none_is_lost() {
+        for n in [0usize, 1, 3, 4, 5, 31, 32, 33, 100, 255, 256, 257, 1000] {
+            let rows: Vec<usize> = (0..n).collect();
+            let chunks = sized_chunks(&rows);
+            let joined: Vec<usize> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+            assert_eq!(joined, rows, "n = {n}");
+            assert!(chunks.iter().all(|c| [256, 32, 4, 1].contains(&c.len())), "n = {n}");
+        }
+        assert_eq!(sized_chunks(&[0u8; 100]).len(), 4, "32 × 3 + 4");
+    }
 }
