@@ -7,8 +7,8 @@
 #
 # Usage: bench/distributed.sh [--gateways 1|2]
 #
-# With 2 gateways every run with 2 or more clients is split over two `aip bench` processes
-# side by side, half the clients on each gateway (see bench/README.md).
+# With 2 gateways each run is one `aip bench` process given both gateways' URLs: it spreads
+# its clients over them, and every constellation drives a device on the other gateway.
 #
 # Results: bench/results/distributed-<N>gw/ (bench/results-quick/... with BENCH_QUICK=1).
 # Environment: see bench/matrix.sh and bench/lib.sh (BENCH_NATS_URL, BENCH_PG_HOST, ...),

@@ -16,8 +16,6 @@ Subcommands:
                                  print the machine's description as JSON
   annotate FILE [--mode M] [--gateways N] [--label L] [--command ARGV_JSON]...
                                  add a `bench_script` object to an `aip bench --json` report
-  merge OUT PART...              merge the reports of bench processes run side by side
-                                 (one per gateway) into one report
 """
 
 import argparse
@@ -285,120 +283,6 @@ def cmd_annotate(args):
     save(args.file, report)
 
 
-def merge_latencies(parts):
-    """Latencies of side-by-side runs: counts add, the mean is weighted, and every
-    percentile is the worst of the parts (the parts' histograms are not in the JSON, so the
-    exact percentile of the union cannot be computed; the worst is an upper bound)."""
-    by_name = {}
-    for part in parts:
-        for l in part.get("latencies", []):
-            by_name.setdefault(l["name"], []).append(l)
-    merged = []
-    for name, ls in by_name.items():
-        count = sum(l["count"] for l in ls)
-        merged.append({
-            "name": name,
-            "count": count,
-            "mean_ms": sum(l["mean_ms"] * l["count"] for l in ls) / count if count else 0.0,
-            **{k: max(l[k] for l in ls) for k in
-               ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms")},
-        })
-    return merged
-
-
-def cmd_merge(args):
-    parts = [load(p) for p in args.parts]
-    if not parts:
-        sys.exit("merge: no parts")
-    first = parts[0]
-    # Every part sampled the same broker processes over nearly the same window: keep the
-    # figures of the longest window.
-    longest = max(parts, key=lambda p: p.get("window_secs", 0))
-    merged = {k: v for k, v in first.items() if k != "bench_script"}
-    merged["parameters"] = {"parts": [p.get("parameters") for p in parts]}
-    for key in ("expected", "completed", "failures"):
-        merged[key] = sum(p.get(key, 0) for p in parts)
-    reasons = {}
-    for p in parts:
-        for r in p.get("failure_reasons", []):
-            reasons[r["reason"]] = reasons.get(r["reason"], 0) + r["count"]
-    merged["failure_reasons"] = [{"reason": r, "count": c} for r, c in
-                                 sorted(reasons.items(), key=lambda rc: -rc[1])]
-    merged["url"] = " + ".join(p["url"] for p in parts)
-    merged["id_prefix"] = " + ".join(p["id_prefix"] for p in parts)
-    merged["window_secs"] = longest["window_secs"]
-    # The parts ran at the same time: their rates add up.
-    merged["throughput_per_sec"] = round(sum(p.get("throughput_per_sec", 0) for p in parts), 3)
-    merged["latencies"] = merge_latencies(parts)
-    merged["broker"] = longest["broker"]
-    gen = [p["generator"] for p in parts]
-    merged["generator"] = {
-        "pid": gen[0]["pid"], "name": "aip (x%d)" % len(gen), "alive_at_end": False,
-        "cpu_secs": round(sum(g["cpu_secs"] for g in gen), 3),
-        "cpu_percent": round(sum(g["cpu_percent"] for g in gen), 1),
-        "rss_before_kb": sum(g.get("rss_before_kb") or 0 for g in gen),
-        "rss_after_kb": sum(g.get("rss_after_kb") or 0 for g in gen),
-        "rss_peak_kb": sum(g.get("rss_peak_kb") or 0 for g in gen),
-        "samples": [],
-    }
-    if any("connect" in p for p in parts):
-        cs = [p["connect"] for p in parts if "connect" in p]
-        connected = sum(c["connected"] for c in cs)
-        setup_secs = max(c["setup_secs"] for c in cs)
-        growth = None
-        if longest["broker"] and all(b.get("rss_before_kb") is not None and
-                                     b.get("rss_after_kb") is not None
-                                     for b in longest["broker"]):
-            growth = sum(b["rss_after_kb"] - b["rss_before_kb"] for b in longest["broker"])
-        merged["connect"] = {
-            "requested": sum(c["requested"] for c in cs),
-            "connected": connected,
-            "setup_secs": setup_secs,
-            "setup_per_sec": sum(c["setup_per_sec"] for c in cs),
-            "held_secs": min(c["held_secs"] for c in cs),
-            "heartbeats_sent": sum(c["heartbeats_sent"] for c in cs),
-            "drops": sum(c["drops"] for c in cs),
-        }
-        if growth is not None and connected:
-            merged["connect"]["rss_per_connection_bytes"] = growth * 1024.0 / connected
-        merged["throughput_per_sec"] = merged["connect"]["setup_per_sec"]
-    for key in ("verification", "devices"):
-        vs = [p[key] for p in parts if key in p]
-        if vs:
-            out = {}
-            for v in vs:
-                for k, x in v.items():
-                    if isinstance(x, (int, float)) and not isinstance(x, bool):
-                        out[k] = out.get(k, 0) + x
-                    elif isinstance(x, list):
-                        out.setdefault(k, []).extend(x)
-            merged[key] = out
-    stops = [p["stopped_early"] for p in parts if p.get("stopped_early")]
-    if stops:
-        merged["stopped_early"] = stops[0]
-    else:
-        merged.pop("stopped_early", None)
-    notes = []
-    for p in parts:
-        for n in p.get("notes", []):
-            if n not in notes:
-                notes.append(n)
-    notes.append(f"merged from {len(parts)} bench processes run side by side, one per "
-                 "gateway: throughputs added, latency percentiles are the worst of the parts")
-    merged["notes"] = notes
-    meta = dict(first.get("bench_script", {}))
-    meta["parts"] = [
-        {"url": p["url"], "throughput_per_sec": p.get("throughput_per_sec"),
-         "window_secs": p.get("window_secs"), "completed": p.get("completed"),
-         "latencies": p.get("latencies"),
-         "commands": p.get("bench_script", {}).get("commands")}
-        for p in parts
-    ]
-    meta["commands"] = [c for p in parts for c in p.get("bench_script", {}).get("commands", [])]
-    merged["bench_script"] = meta
-    save(args.out, merged)
-
-
 # --- main --------------------------------------------------------------------
 
 
@@ -430,9 +314,6 @@ def main():
     p.add_argument("--gateways", type=int)
     p.add_argument("--label")
     p.add_argument("--command", action="append", help="a command line as a JSON array")
-    p = sub.add_parser("merge")
-    p.add_argument("out")
-    p.add_argument("parts", nargs="+")
     args = parser.parse_args()
 
     if args.subcommand == "free-port":
@@ -453,8 +334,6 @@ def main():
         cmd_machine(args)
     elif args.subcommand == "annotate":
         cmd_annotate(args)
-    elif args.subcommand == "merge":
-        cmd_merge(args)
 
 
 if __name__ == "__main__":

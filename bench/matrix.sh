@@ -3,16 +3,16 @@
 # 100 clients, and saves each report as JSON:
 #
 #   DIR/<scenario>-<clients>.json     (connect: <clients> is the number of devices)
-#   DIR/logs/<scenario>-<clients>*.stderr
+#   DIR/logs/<scenario>-<clients>.stderr
 #
 # Usage:
 #   bench/matrix.sh --mode NAME --dir DIR --rest http://127.0.0.1:PORT \
 #                   --url ws://127.0.0.1:PORT/ws [--url ws://127.0.0.1:PORT2/ws] \
 #                   --pid PID [--pid PID...] [--infra-db DATABASE]
 #
-#   --url      a gateway; given twice, every run with 2 or more clients is split over two
-#              `aip bench` processes running side by side, half the clients on each gateway
-#              (aip bench loads one URL per process), and their reports are merged
+#   --url      a gateway (repeatable); every run is one `aip bench` process given every
+#              --url: it spreads its clients over the gateways, and in devinfo and tasks
+#              puts every constellation on another gateway than its device
 #   --pid      a broker process (aip dev, or gateway/registry/sessions), sampled with
 #              --server-pid; the run stops if one of them dies
 #   --infra-db also sample nats-server and the PostgreSQL processes serving this database
@@ -51,7 +51,7 @@ done
 bench_init
 require_bins aip
 AIP="$(bin aip)"
-mkdir -p "$DIR/logs" "$DIR/parts"
+mkdir -p "$DIR/logs"
 # connect with 10000 devices needs about 10,100 file descriptors in the generator.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
@@ -96,21 +96,21 @@ total_ops() {
 
 ceil_div() { echo $((($1 + $2 - 1) / $2)); }
 
-# scenario_args SCENARIO PART_CLIENTS TOTAL_CLIENTS: the scenario's arguments for one
-# bench process that runs PART_CLIENTS of TOTAL_CLIENTS clients.
+# scenario_args SCENARIO CLIENTS: the scenario's arguments for a run with CLIENTS clients
+# (connect: devices).
 scenario_args() {
-  local scenario="$1" c="$2" total="$3" ops per_client hold
+  local scenario="$1" c="$2" ops per_client hold
   case "$scenario" in
     connect)
       if [[ "$BENCH_QUICK" == 1 ]]; then hold=1
-      elif ((total >= 10000)); then hold=10
+      elif ((c >= 10000)); then hold=10
       else hold=5; fi
       echo "connect --n $c --hold $hold"
       return
       ;;
   esac
   ops="$(total_ops "$scenario")"
-  per_client="$(ceil_div "$ops" "$total")"
+  per_client="$(ceil_div "$ops" "$c")"
   case "$scenario" in
     heartbeat) echo "heartbeat --clients $c --count $per_client" ;;
     register) echo "register --clients $c --count $per_client" ;;
@@ -146,15 +146,19 @@ check_broker() {
   done
 }
 
-# one_part OUT ERR URL SCENARIO_ARGS...: one `aip bench` process; retried once when a
-# sampled process vanished between listing it and the start. Runs in a background subshell:
-# SIGTERM (the cleanup of an interrupted run) stops the bench process too.
-one_part() {
-  local out="$1" err="$2" url="$3" attempt child status
-  shift 3
+# URL_ARGS: --url for every gateway, as aip bench takes them.
+URL_ARGS=()
+for url in "${URLS[@]}"; do URL_ARGS+=(--url "$url"); done
+
+# one_bench OUT ERR SCENARIO_ARGS...: the `aip bench` process of one run; retried once when
+# a sampled process vanished between listing it and the start. Runs in a background
+# subshell: SIGTERM (the cleanup of an interrupted run) stops the bench process too.
+one_bench() {
+  local out="$1" err="$2" attempt child status
+  shift 2
   trap '[[ -n "${child:-}" ]] && kill -TERM "$child" 2>/dev/null; exit 143' TERM
   for attempt in 1 2; do
-    local cmd=("$AIP" bench "$@" --url "$url" --rest "$REST" --json --quiet
+    local cmd=("$AIP" bench "$@" "${URL_ARGS[@]}" --rest "$REST" --json --quiet
       --max-seconds "$MAX_SECS" --verify-seconds 60)
     local pid
     for pid in $(server_pids); do cmd+=(--server-pid "$pid"); done
@@ -177,51 +181,33 @@ one_part() {
 
 FAILED=()
 
-# run SCENARIO CLIENTS: one cell of the matrix.
+# run SCENARIO CLIENTS: one cell of the matrix. The report goes to logs/ first and becomes
+# DIR/<scenario>-<clients>.json only if the run succeeded.
 run() {
   local scenario="$1" clients="$2" name="$1-$2"
-  local parts=${#URLS[@]}
-  if ((clients < parts)); then parts=$clients; fi
   MAX_SECS="$(max_seconds "$scenario")"
   check_broker
   local what="clients"
   if [[ $scenario == connect ]]; then what="devices"; fi
-  if ((parts > 1)); then what+=", split over $parts gateways"; fi
+  if ((${#URLS[@]} > 1)); then what+=" over ${#URLS[@]} gateways"; fi
   log "$MODE: $scenario with $clients $what"
-  local i pids=() outs=() errs=() ok=1 base=$((clients / parts)) extra=$((clients % parts))
-  for ((i = 0; i < parts; i++)); do
-    local c=$((base + (i < extra ? 1 : 0)))
-    local out="$DIR/parts/$name.part$i.json" err="$DIR/logs/$name.part$i.stderr"
-    if ((parts == 1)); then
-      out="$DIR/parts/$name.json" err="$DIR/logs/$name.stderr"
-    fi
-    # shellcheck disable=SC2046
-    one_part "$out" "$err" "${URLS[i]}" $(scenario_args "$scenario" "$c" "$clients") &
-    pids+=($!)
-    BENCH_PIDS+=($!)
-    BENCH_PID_NAMES+=("aip bench $name part $i")
-    outs+=("$out")
-    errs+=("$err")
-  done
-  for ((i = 0; i < parts; i++)); do
-    if ! wait "${pids[i]}"; then
-      ok=0
-      warn "$name: aip bench failed (part $i); the end of its stderr (${errs[i]}):"
-      tail -n 20 "${errs[i]}" | sed 's/^/    /' >&2 || true
-    fi
-  done
+  local out="$DIR/logs/$name.out.json" err="$DIR/logs/$name.stderr" ok=1
+  # shellcheck disable=SC2046
+  one_bench "$out" "$err" $(scenario_args "$scenario" "$clients") &
+  local pid=$!
+  BENCH_PIDS+=("$pid")
+  BENCH_PID_NAMES+=("aip bench $name")
+  if ! wait "$pid"; then
+    ok=0
+    warn "$name: aip bench failed; the end of its stderr ($err):"
+    tail -n 20 "$err" | sed 's/^/    /' >&2 || true
+  fi
   # A broker that died during the run makes its figures meaningless.
   check_broker
   if ((ok)); then
-    for ((i = 0; i < parts; i++)); do
-      "${HELPERS[@]}" annotate "${outs[i]}" --mode "$MODE" --gateways "${#URLS[@]}" \
-        --label "$name" --command "$(cat "${outs[i]}.cmd")"
-    done
-    if ((parts == 1)); then
-      cp "${outs[0]}" "$DIR/$name.json"
-    else
-      "${HELPERS[@]}" merge "$DIR/$name.json" "${outs[@]}"
-    fi
+    "${HELPERS[@]}" annotate "$out" --mode "$MODE" --gateways "${#URLS[@]}" \
+      --label "$name" --command "$(cat "$out.cmd")"
+    mv "$out" "$DIR/$name.json"
     python3 - "$DIR/$name.json" <<'EOF' >&2
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -247,7 +233,7 @@ if [[ "$WARMUP" != 0 ]]; then
   log "$MODE: warm-up (${WARMUP}s of tasks with $max_c clients, not recorded)"
   check_broker
   "$AIP" bench tasks --devices "$max_c" --clients "$max_c" --count 100000 --no-verify \
-    --url "${URLS[0]}" --rest "$REST" --json --quiet --max-seconds "$WARMUP" \
+    "${URL_ARGS[@]}" --rest "$REST" --json --quiet --max-seconds "$WARMUP" \
     >"$DIR/logs/warmup.json" 2>"$DIR/logs/warmup.stderr" ||
     warn "the warm-up failed (see $DIR/logs/warmup.stderr); going on"
   sleep "$PAUSE"

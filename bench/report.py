@@ -244,11 +244,11 @@ def method_section(order, modes, repo):
         "connected to the run's database (after a warm-up, so the pools are open). "
         "CPU ms/op = CPU seconds of all of them over the window / operations completed.")
     out.append(
-        "- With 2 gateways a run of C ≥ 2 clients is two `aip bench` processes side by side, C/2 "
-        "clients each, one per gateway (`aip bench` takes one `--url`). Throughputs are added; "
-        "latency percentiles are the worse of the two; the generator's CPU is the sum. Each "
-        "process's devices and constellations are on the same gateway, but every frame still "
-        "crosses NATS. The 1-client run uses the first gateway only.")
+        "- With 2 gateways each run is one `aip bench` process given both URLs (`--url` twice): "
+        "it spreads its clients over the gateways round robin, and in `devinfo` and `tasks` "
+        "every constellation is on the other gateway than the device it drives, so every "
+        "request crosses from one gateway to the other (also with 1 client: its device is on "
+        "the first gateway, the constellation on the second).")
     out.append("- ‡: the run had failures (see the JSON). †: the load generator used ≥ 40 % "
                "of the machine's CPU, so the figure may be the generator's limit.")
     out.append("")

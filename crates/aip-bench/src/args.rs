@@ -18,6 +18,9 @@ pub const DEFAULT_REST_URL: &str = "http://127.0.0.1:5000";
     `aip dev` in another terminal) and only on this machine unless --allow-remote is given. \
     Runs are bounded: --max-seconds ends the load whatever is left, and every wait \
     for an answer ends after --timeout-secs.\n\n\
+    With several gateways (--url repeated), each WebSocket client takes the next one in \
+    turn; in `devinfo` and `tasks` a constellation is never on its device's gateway, so every \
+    request crosses from one gateway to another. --rest is still one URL.\n\n\
     Pass the broker's process ids with --server-pid (repeatable: gateway, registry, sessions, \
     NATS, Postgres) to sample their CPU and RSS from /proc during the run.\n\n\
     Example:\n  aip bench tasks --devices 10 --clients 100 --count 50 --commands 1 \
@@ -35,9 +38,12 @@ pub struct BenchArgs {
 /// Options shared by every scenario.
 #[derive(Debug, Clone, Args)]
 pub struct RunOptions {
-    /// The broker's WebSocket URL.
-    #[arg(long, env = "AIP_URL", default_value = DEFAULT_WS_URL, global = true)]
-    pub url: String,
+    /// A gateway's WebSocket URL. Repeat it (or give several separated by commas) to spread
+    /// the clients over several gateways of one broker: round robin, and in `devinfo` and
+    /// `tasks` every constellation on another gateway than its device.
+    #[arg(long = "url", value_name = "URL", env = "AIP_URL", default_value = DEFAULT_WS_URL,
+          value_delimiter = ',', global = true)]
+    pub urls: Vec<String>,
     /// The broker's REST base URL (`aip dev`, or the session service).
     #[arg(long, env = "AIP_REST", default_value = DEFAULT_REST_URL, global = true)]
     pub rest: String,
@@ -173,7 +179,8 @@ pub struct DevinfoArgs {
     /// Devices registered by the bench.
     #[arg(long, default_value_t = 10, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub devices: usize,
-    /// Constellations, each bound to one device (round robin).
+    /// Constellations, each bound to one device (round robin), on another gateway than the
+    /// device's when there are several.
     #[arg(long, default_value_t = 10, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub clients: usize,
     /// Requests per constellation.
@@ -194,8 +201,8 @@ pub struct TasksArgs {
     /// Devices registered by the bench; they answer every command at once.
     #[arg(long, default_value_t = 10, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub devices: usize,
-    /// Constellations, each bound to one device (round robin), each running its tasks one
-    /// after another.
+    /// Constellations, each bound to one device (round robin), on another gateway than the
+    /// device's when there are several, each running its tasks one after another.
     #[arg(long, default_value_t = 10, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub clients: usize,
     /// Tasks per constellation.
@@ -264,11 +271,40 @@ mod tests {
             "8",
         ])
         .expect("parses");
-        assert_eq!(cli.bench.options.url, "ws://127.0.0.1:1/ws");
+        assert_eq!(cli.bench.options.urls, ["ws://127.0.0.1:1/ws"]);
         assert_eq!(cli.bench.options.server_pids, [7, 8]);
         match cli.bench.scenario {
             Scenario::Tasks(a) => assert_eq!((a.clients, a.commands), (3, 1)),
             other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn url_is_repeatable_and_splits_on_commas() {
+        let urls = |words: &[&str]| {
+            let mut argv = vec!["bench", "heartbeat"];
+            argv.extend_from_slice(words);
+            Cli::try_parse_from(argv)
+                .expect("parses")
+                .bench
+                .options
+                .urls
+        };
+        assert_eq!(
+            urls(&[
+                "--url",
+                "ws://127.0.0.1:1/ws",
+                "--url",
+                "ws://127.0.0.1:2/ws"
+            ]),
+            ["ws://127.0.0.1:1/ws", "ws://127.0.0.1:2/ws"]
+        );
+        assert_eq!(
+            urls(&["--url", "ws://127.0.0.1:1/ws,ws://127.0.0.1:2/ws"]),
+            ["ws://127.0.0.1:1/ws", "ws://127.0.0.1:2/ws"]
+        );
+        if std::env::var_os("AIP_URL").is_none() {
+            assert_eq!(urls(&[]), [DEFAULT_WS_URL]);
         }
     }
 }

@@ -10,7 +10,7 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::{self, Message, Utf8Bytes};
 
-use crate::target::Target;
+use crate::target::Gateway;
 use crate::wire::Inbound;
 
 /// Why a client's exchange with the broker failed. The text goes into the report.
@@ -75,15 +75,15 @@ fn config() -> WebSocketConfig {
 }
 
 impl Conn {
-    /// Opens the WebSocket (TCP with Nagle off, then the handshake).
-    pub async fn connect(target: &Target) -> Result<Conn, WireError> {
-        let stream = target
-            .ws_addr
+    /// Opens the WebSocket to `gateway` (TCP with Nagle off, then the handshake).
+    pub async fn connect(gateway: &Gateway) -> Result<Conn, WireError> {
+        let stream = gateway
+            .addr
             .connect()
             .await
             .map_err(|e| WireError::Connect(e.to_string()))?;
         match tokio_tungstenite::client_async_with_config(
-            target.ws.as_str(),
+            gateway.ws.as_str(),
             stream,
             Some(config()),
         )
@@ -177,16 +177,16 @@ impl Conn {
         }
     }
 
-    /// Connects and registers.
+    /// Connects to `gateway` and registers.
     pub async fn registered(
-        target: &Target,
+        gateway: &Gateway,
         frame: String,
         timeout: Duration,
         deadline: Instant,
     ) -> Result<Conn, WireError> {
         let mut conn = tokio::time::timeout_at(
             deadline.min(Instant::now() + timeout),
-            Conn::connect(target),
+            Conn::connect(gateway),
         )
         .await
         .map_err(|_| WireError::Timeout(timeout))??;

@@ -1,6 +1,7 @@
 //! The bench's own devices for `devinfo`, `tasks` and `rest`: registered UFO devices that
 //! answer every `command` frame at once (one success Result per Command, echoing its
-//! parameters), heartbeat every 30 s and count what the broker did to them.
+//! parameters), heartbeat every 30 s and count what the broker did to them. Device `i` is on
+//! gateway [`crate::target::Target::gateway`]`(i)`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,8 +27,8 @@ pub(crate) struct Fleet {
 }
 
 impl Fleet {
-    /// Connects and registers `count` devices (`{prefix}-dev-{i}`); any refusal ends the run
-    /// with the broker's reason.
+    /// Connects and registers `count` devices (`{prefix}-dev-{i}`, spread over the gateways
+    /// round robin); any refusal ends the run with the broker's reason.
     pub async fn start(ctx: &Ctx, count: usize) -> anyhow::Result<Fleet> {
         ctx.progress
             .phase("registering the bench's devices", count as u64);
@@ -37,12 +38,13 @@ impl Fleet {
         let (stop, stopped) = watch::channel(false);
         let answered = Arc::new(AtomicU64::new(0));
         let mut connecting = Vec::with_capacity(count);
-        for id in &ids {
+        for (i, id) in ids.iter().enumerate() {
             let ctx = ctx.clone();
             let id = id.clone();
             connecting.push(tokio::spawn(async move {
                 let frame = wire::device_register(&id);
-                let result = Conn::registered(&ctx.target, frame, ctx.timeout, ctx.deadline).await;
+                let gateway = ctx.target.gateway(i);
+                let result = Conn::registered(gateway, frame, ctx.timeout, ctx.deadline).await;
                 match &result {
                     Ok(_) => ctx.progress.done(),
                     Err(_) => ctx.progress.failed(),

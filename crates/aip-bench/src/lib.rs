@@ -1,7 +1,7 @@
 //! # aip-bench: the measuring instrument behind `aip bench`
 //!
-//! Loads a running AIP broker (any `ws://…/ws` gateway and its REST base, on this machine
-//! unless `--allow-remote`) with load clients of its own that speak UFO's AIP over real
+//! Loads a running AIP broker (one or more `ws://…/ws` gateways and its REST base, on this
+//! machine unless `--allow-remote`) with load clients of its own that speak UFO's AIP over real
 //! WebSockets (tokio-tungstenite, one task per client) and REST, and reports throughput,
 //! latency percentiles from HDR histograms, failures by reason, and CPU and RSS of the broker's
 //! processes (`--server-pid`) and of the generator itself from /proc.
@@ -11,6 +11,10 @@
 //! (constellation device-info requests), `tasks` (constellation TASK frames with scripted steps
 //! run by the bench's devices, then a check of every task's event log) and `rest` (the same
 //! tasks over `POST /api/tasks`).
+//!
+//! With several gateways (`--url` repeated, or `AIP_URL=URL1,URL2`) the clients are spread
+//! over them round robin, and in `devinfo` and `tasks` every constellation is on another
+//! gateway than the device it drives, so every request crosses gateways.
 //!
 //! Every run is bounded: `--max-seconds` ends the load whatever is left, every wait for an
 //! answer ends after `--timeout-secs`, the event-log check after `--verify-seconds`.
@@ -194,7 +198,7 @@ fn report(
     Report {
         scenario: args.scenario.name().to_owned(),
         parameters,
-        url: target.ws_shown.clone(),
+        urls: target.urls_shown(),
         rest: args.scenario.uses_rest().then(|| target.rest.to_string()),
         id_prefix,
         started_at,

@@ -12,8 +12,9 @@ pub struct Report {
     pub scenario: String,
     /// The scenario's own arguments (clients, count, …).
     pub parameters: serde_json::Value,
-    /// The WebSocket URL loaded (without its token).
-    pub url: String,
+    /// The gateways' WebSocket URLs (without the token), in the order the clients were spread
+    /// over them (`--url`).
+    pub urls: Vec<String>,
     /// The REST base URL, for scenarios that use it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rest: Option<String>,
@@ -196,7 +197,18 @@ impl Report {
     /// The table for people.
     pub fn to_table(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "aip bench {}: {}", self.scenario, self.url);
+        let _ = writeln!(out, "aip bench {}: {}", self.scenario, self.urls.join(", "));
+        if self.urls.len() > 1 {
+            let how = match self.scenario.as_str() {
+                "devinfo" | "tasks" => ", every constellation on another gateway than its device",
+                _ => "",
+            };
+            let _ = writeln!(
+                out,
+                "  clients spread over {} gateways round robin{how}",
+                self.urls.len()
+            );
+        }
         if let Some(rest) = &self.rest {
             let _ = writeln!(out, "  REST {rest}");
         }

@@ -1,5 +1,6 @@
 //! Where the broker is: the URLs checked (loopback unless allowed), the token put into the
-//! WebSocket URL, and reachability probes whose errors say how to start a broker.
+//! WebSocket URLs, which gateway each client uses, and reachability probes whose errors say
+//! how to start a broker.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
@@ -24,6 +25,15 @@ pub enum TargetError {
         reason: String,
         /// A good one.
         example: &'static str,
+    },
+    /// The same gateway named twice: clients spread over "two" gateways would all be on one.
+    #[error(
+        "--url `{url}` is given twice: name each gateway once (one --url per gateway, or \
+         AIP_URL=URL1,URL2)"
+    )]
+    DuplicateUrl {
+        /// The URL given twice.
+        url: String,
     },
     /// The broker is not on this machine and --allow-remote was not given.
     #[error(
@@ -93,18 +103,30 @@ pub enum TargetError {
 }
 
 /// The broker a run loads.
+///
+/// Clients are spread over its gateways round robin: the `i`th client of a kind (device,
+/// heartbeat client, …) uses [`Target::gateway`]`(i)`. A constellation talking to one of the
+/// bench's devices uses [`Target::peer_gateway`], which is never its device's gateway when
+/// there are two or more.
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
-    /// WebSocket URL with the token, for connecting.
-    pub ws: String,
-    /// WebSocket URL as shown in reports (no token).
-    pub ws_shown: String,
-    /// Where to open TCP connections for the WebSocket.
-    pub ws_addr: ConnectAddr,
+    /// The gateways (`--url`, in the order given); never empty.
+    pub gateways: Vec<Gateway>,
     /// REST base URL (no trailing slash in its path).
     pub rest: Url,
     /// Headers of every REST request (the API key).
     pub rest_headers: HeaderMap,
+}
+
+/// One gateway's WebSocket endpoint.
+#[derive(Debug, Clone)]
+pub(crate) struct Gateway {
+    /// WebSocket URL with the token, for connecting.
+    pub ws: String,
+    /// WebSocket URL as shown in reports (no token).
+    pub shown: String,
+    /// Where to open TCP connections for the WebSocket.
+    pub addr: ConnectAddr,
 }
 
 /// A host and port to connect to.
@@ -128,36 +150,106 @@ impl ConnectAddr {
     }
 }
 
-impl Target {
-    /// Checks the URLs of `options`; no connection is made.
-    pub fn from_options(options: &RunOptions) -> Result<Target, TargetError> {
-        let invalid_ws = |reason: &str| TargetError::InvalidUrl {
+impl Gateway {
+    /// Checks one `--url` (ws://, loopback unless allowed) and adds the token.
+    fn parse(url: &str, options: &RunOptions) -> Result<Gateway, TargetError> {
+        let invalid = |reason: &str| TargetError::InvalidUrl {
             flag: "--url",
-            url: options.url.clone(),
+            url: url.to_owned(),
             reason: reason.to_owned(),
             example: crate::args::DEFAULT_WS_URL,
         };
-        let mut ws = Url::parse(&options.url).map_err(|e| invalid_ws(&e.to_string()))?;
+        let mut ws = Url::parse(url).map_err(|e| invalid(&e.to_string()))?;
         match ws.scheme() {
             "ws" => {}
             "wss" => {
-                return Err(invalid_ws(
+                return Err(invalid(
                     "wss:// is not supported: bench a broker on this machine over ws://",
                 ));
             }
-            other => return Err(invalid_ws(&format!("scheme `{other}` is not ws://"))),
+            other => return Err(invalid(&format!("scheme `{other}` is not ws://"))),
         }
-        let ws_addr = connect_addr(&ws).ok_or_else(|| invalid_ws("no host"))?;
+        let addr = connect_addr(&ws).ok_or_else(|| invalid("no host"))?;
         if !options.allow_remote && !is_loopback(&ws) {
             return Err(TargetError::NotLoopback {
                 flag: "--url",
-                url: options.url.clone(),
+                url: url.to_owned(),
             });
         }
         ws.set_fragment(None);
-        let ws_shown = ws.to_string();
+        let shown = ws.to_string();
         if let Some(token) = &options.token {
             ws.query_pairs_mut().append_pair("token", token);
+        }
+        Ok(Gateway {
+            ws: ws.to_string(),
+            shown,
+            addr,
+        })
+    }
+
+    /// Opens one WebSocket and closes it without registering: the gateway is there and
+    /// accepts this run's token.
+    async fn probe(&self) -> Result<(), TargetError> {
+        let unreachable = |reason: String| TargetError::Unreachable {
+            flag: "--url",
+            url: self.shown.clone(),
+            reason,
+        };
+        let stream = self
+            .addr
+            .connect()
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        match tokio_tungstenite::client_async(self.ws.as_str(), stream).await {
+            Ok((mut ws, _)) => {
+                let _ = ws.close(None).await;
+                Ok(())
+            }
+            Err(tungstenite::Error::Http(response)) => {
+                let status = response.status().as_u16();
+                Err(TargetError::HandshakeRefused {
+                    url: self.shown.clone(),
+                    status,
+                    hint: match status {
+                        401 | 403 => ": the gateway wants a token: pass --token or AIP_TOKEN",
+                        404 => ": is the path right (usually /ws)?",
+                        503 => ": the gateway is at its connection limit",
+                        _ => "",
+                    },
+                })
+            }
+            Err(e) => Err(unreachable(format!("WebSocket handshake failed: {e}"))),
+        }
+    }
+}
+
+impl Target {
+    /// Checks the URLs of `options` (every `--url`, then `--rest`); no connection is made.
+    /// Blank entries of a comma-separated list (`AIP_URL=a,b,`) are skipped.
+    pub fn from_options(options: &RunOptions) -> Result<Target, TargetError> {
+        let mut gateways: Vec<Gateway> = Vec::with_capacity(options.urls.len());
+        for url in options
+            .urls
+            .iter()
+            .map(|u| u.trim())
+            .filter(|u| !u.is_empty())
+        {
+            let gateway = Gateway::parse(url, options)?;
+            if gateways.iter().any(|g| g.shown == gateway.shown) {
+                return Err(TargetError::DuplicateUrl {
+                    url: url.to_owned(),
+                });
+            }
+            gateways.push(gateway);
+        }
+        if gateways.is_empty() {
+            return Err(TargetError::InvalidUrl {
+                flag: "--url",
+                url: options.urls.join(","),
+                reason: "no URL given".to_owned(),
+                example: crate::args::DEFAULT_WS_URL,
+            });
         }
 
         let invalid_rest = |reason: &str| TargetError::InvalidUrl {
@@ -192,9 +284,7 @@ impl Target {
             rest_headers.insert(HeaderName::from_static("x-api-key"), value);
         }
         Ok(Target {
-            ws: ws.to_string(),
-            ws_shown,
-            ws_addr,
+            gateways,
             rest,
             rest_headers,
         })
@@ -210,39 +300,34 @@ impl Target {
         url
     }
 
-    /// Opens one WebSocket and closes it without registering: the gateway is there and
-    /// accepts this run's token.
-    pub async fn probe_ws(&self) -> Result<(), TargetError> {
-        let unreachable = |reason: String| TargetError::Unreachable {
-            flag: "--url",
-            url: self.ws_shown.clone(),
-            reason,
-        };
-        let stream = self
-            .ws_addr
-            .connect()
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
-        match tokio_tungstenite::client_async(self.ws.as_str(), stream).await {
-            Ok((mut ws, _)) => {
-                let _ = ws.close(None).await;
-                Ok(())
-            }
-            Err(tungstenite::Error::Http(response)) => {
-                let status = response.status().as_u16();
-                Err(TargetError::HandshakeRefused {
-                    url: self.ws_shown.clone(),
-                    status,
-                    hint: match status {
-                        401 | 403 => ": the gateway wants a token: pass --token or AIP_TOKEN",
-                        404 => ": is the path right (usually /ws)?",
-                        503 => ": the gateway is at its connection limit",
-                        _ => "",
-                    },
-                })
-            }
-            Err(e) => Err(unreachable(format!("WebSocket handshake failed: {e}"))),
+    /// The gateway of the `i`th client of a kind: round robin over the gateways.
+    pub fn gateway(&self, i: usize) -> &Gateway {
+        &self.gateways[i % self.gateways.len()]
+    }
+
+    /// The gateway of a constellation whose device is the bench's device `d` (which is on
+    /// [`Target::gateway`]`(d)`): with one gateway that one; with more, never the device's,
+    /// so every request crosses gateways. `turn` numbers the constellations of one device
+    /// (0, 1, …): they take the other gateways in turn.
+    pub fn peer_gateway(&self, d: usize, turn: usize) -> &Gateway {
+        let n = self.gateways.len();
+        if n == 1 {
+            return &self.gateways[0];
         }
+        &self.gateways[(d + 1 + turn % (n - 1)) % n]
+    }
+
+    /// The WebSocket URLs as shown in reports (no token), in the order given.
+    pub fn urls_shown(&self) -> Vec<String> {
+        self.gateways.iter().map(|g| g.shown.clone()).collect()
+    }
+
+    /// Probes every gateway (see [`Gateway::probe`]); the first that fails is the error.
+    pub async fn probe_ws(&self) -> Result<(), TargetError> {
+        for gateway in &self.gateways {
+            gateway.probe().await?;
+        }
+        Ok(())
     }
 
     /// Lists one task over REST: the session service is there and accepts this run's key.
@@ -350,7 +435,7 @@ mod tests {
 
     fn options(url: &str, rest: &str) -> RunOptions {
         RunOptions {
-            url: url.to_owned(),
+            urls: vec![url.to_owned()],
             rest: rest.to_owned(),
             token: Some("a b&c".to_owned()),
             api_key: None,
@@ -374,8 +459,9 @@ mod tests {
             "ws://127.8.9.10:1/ws",
         ] {
             let target = Target::from_options(&options(url, DEFAULT_REST_URL)).expect(url);
-            assert!(target.ws.ends_with("?token=a+b%26c"), "{}", target.ws);
-            assert!(!target.ws_shown.contains("token"), "{}", target.ws_shown);
+            let gateway = target.gateway(0);
+            assert!(gateway.ws.ends_with("?token=a+b%26c"), "{}", gateway.ws);
+            assert!(!gateway.shown.contains("token"), "{}", gateway.shown);
         }
     }
 
@@ -410,6 +496,74 @@ mod tests {
         let error =
             Target::from_options(&options(DEFAULT_WS_URL, "nonsense")).expect_err("bad rest");
         assert!(error.to_string().contains("--rest"), "{error}");
+    }
+
+    fn several(urls: &[&str]) -> RunOptions {
+        let mut options = options(DEFAULT_WS_URL, DEFAULT_REST_URL);
+        options.urls = urls.iter().map(|u| (*u).to_owned()).collect();
+        options
+    }
+
+    #[test]
+    fn every_url_is_checked() {
+        let target = Target::from_options(&several(&[
+            "ws://127.0.0.1:1/ws",
+            " ws://127.0.0.1:2/ws",
+            "",
+        ]))
+        .expect("two loopback gateways (blank entries skipped)");
+        assert_eq!(
+            target.urls_shown(),
+            ["ws://127.0.0.1:1/ws", "ws://127.0.0.1:2/ws"]
+        );
+        assert!(target.gateways.iter().all(|g| g.ws.contains("token=")));
+
+        let error = Target::from_options(&several(&[DEFAULT_WS_URL, "ws://192.0.2.1:5000/ws"]))
+            .expect_err("the second is remote");
+        assert!(
+            matches!(&error, TargetError::NotLoopback { url, .. } if url.contains("192.0.2.1")),
+            "{error}"
+        );
+        let error = Target::from_options(&several(&[DEFAULT_WS_URL, "wss://127.0.0.1:2/ws"]))
+            .expect_err("the second is wss");
+        assert!(
+            error.to_string().contains("wss://127.0.0.1:2/ws"),
+            "{error}"
+        );
+        let error =
+            Target::from_options(&several(&["ws://127.0.0.1:1/ws", "ws://127.0.0.1:1/ws#x"]))
+                .expect_err("the same gateway twice");
+        assert!(error.to_string().contains("given twice"), "{error}");
+        let error = Target::from_options(&several(&[" ", ""])).expect_err("nothing");
+        assert!(error.to_string().contains("no URL given"), "{error}");
+    }
+
+    #[test]
+    fn clients_go_round_robin_and_constellations_never_on_their_devices_gateway() {
+        let urls = [
+            "ws://127.0.0.1:1/ws",
+            "ws://127.0.0.1:2/ws",
+            "ws://127.0.0.1:3/ws",
+        ];
+        for n in 1..=urls.len() {
+            let target = Target::from_options(&several(&urls[..n])).expect("target");
+            let shown: Vec<&str> = (0..6).map(|i| target.gateway(i).shown.as_str()).collect();
+            for (i, url) in shown.iter().enumerate() {
+                assert_eq!(*url, urls[i % n]);
+            }
+            for d in 0..5 {
+                let mut peers = std::collections::BTreeSet::new();
+                for turn in 0..6 {
+                    let peer = target.peer_gateway(d, turn).shown.as_str();
+                    if n > 1 {
+                        assert_ne!(peer, target.gateway(d).shown, "n={n} d={d} turn={turn}");
+                    }
+                    peers.insert(peer);
+                }
+                // The constellations of one device use every other gateway.
+                assert_eq!(peers.len(), (n - 1).max(1), "n={n} d={d}");
+            }
+        }
     }
 
     #[test]

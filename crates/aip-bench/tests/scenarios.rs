@@ -1,10 +1,10 @@
 //! `aip bench` itself, on tiny counts, against the whole broker in this process (in-process
-//! bus and SQLite): every scenario runs and counts correctly, refusals show up as failures
-//! with the broker's reason, and an unreachable broker is a clear error. Timings are never
-//! asserted.
+//! bus and SQLite): every scenario runs and counts correctly, also over two gateways,
+//! refusals show up as failures with the broker's reason, and an unreachable broker is a
+//! clear error. Timings are never asserted.
 
 use aip_bench::{BenchArgs, Report};
-use aip_testkit::{Backend, Client, Options, Stack, frames};
+use aip_testkit::{Backend, Client, Options, Stack, frames, get_json};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -13,24 +13,23 @@ struct Cli {
     bench: BenchArgs,
 }
 
-/// Parses `aip bench …` as the `aip` binary would, aimed at the stack's gateway.
+/// Parses `aip bench …` as the `aip` binary would, aimed at the stack's first gateway.
 fn bench(stack: &Stack, words: &[&str]) -> BenchArgs {
-    let url = stack.ws_url(0);
+    bench_on(stack, &[stack.ws_url(0)], words)
+}
+
+/// Parses `aip bench …` aimed at these gateways (one `--url` each).
+fn bench_on(stack: &Stack, urls: &[String], words: &[&str]) -> BenchArgs {
     let rest = stack
         .sessions_http
         .map(|_| stack.sessions_url())
         .unwrap_or_else(|| "http://127.0.0.1:9".to_owned());
     let mut argv = vec!["bench"];
     argv.extend_from_slice(words);
-    argv.extend_from_slice(&[
-        "--url",
-        &url,
-        "--rest",
-        &rest,
-        "--quiet",
-        "--max-seconds",
-        "60",
-    ]);
+    for url in urls {
+        argv.extend_from_slice(&["--url", url]);
+    }
+    argv.extend_from_slice(&["--rest", &rest, "--quiet", "--max-seconds", "60"]);
     Cli::try_parse_from(argv).expect("arguments").bench
 }
 
@@ -153,6 +152,122 @@ async fn tasks_complete_and_every_event_log_is_verified() {
     let json = serde_json::to_string(&report).expect("JSON");
     let back: Report = serde_json::from_str(&json).expect("parses back");
     assert_eq!(back, report);
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_over_two_gateways_cross_from_one_to_the_other() {
+    let stack = Stack::start(
+        Backend::LocalSqlite,
+        Options {
+            gateways: 2,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let urls = [stack.ws_url(0), stack.ws_url(1)];
+    let args = bench_on(
+        &stack,
+        &urls,
+        &[
+            "tasks",
+            "--devices",
+            "2",
+            "--clients",
+            "4",
+            "--count",
+            "3",
+            "--commands",
+            "2",
+            "--id-prefix",
+            "twogw",
+        ],
+    );
+    let report = aip_bench::run(args).await.expect("run");
+    println!("{}", report.to_table());
+    assert_clean(&report, 12);
+    assert_eq!(report.urls, urls, "the report names both gateways");
+    assert!(
+        report.to_table().contains(&urls[1]),
+        "{}",
+        report.to_table()
+    );
+    let verification = report.verification.clone().expect("logs checked");
+    assert_eq!(
+        (
+            verification.checked,
+            verification.complete,
+            verification.incomplete,
+            verification.not_checked
+        ),
+        (12, 12, 0, 0),
+        "{verification:?}"
+    );
+    let devices = report.devices.clone().expect("device figures");
+    assert_eq!((devices.devices, devices.drops), (2, 0));
+    assert_eq!(
+        devices.commands_answered, 24,
+        "12 tasks of 2 command rounds"
+    );
+
+    // The registry keeps the gateway each client last registered on: devices alternate
+    // between the gateways, and every constellation is on the other one than its device.
+    let gateway_of = |id: String| {
+        let url = format!("{}/api/agents/{id}", stack.registry_url());
+        async move {
+            let (status, body) = get_json(&url).await;
+            assert_eq!(status, 200, "{url}: {body}");
+            body["gateway_id"].as_str().expect("gateway_id").to_owned()
+        }
+    };
+    let ids = [stack.gateways[0].id.clone(), stack.gateways[1].id.clone()];
+    for (d, id) in ids.iter().enumerate() {
+        assert_eq!(
+            &gateway_of(format!("twogw-dev-{d}")).await,
+            id,
+            "device {d}"
+        );
+    }
+    for c in 0..4 {
+        let d = c % 2;
+        let constellation = gateway_of(format!("twogw-g{c}@twogw-dev-{d}")).await;
+        assert_eq!(constellation, ids[1 - d], "constellation {c} of device {d}");
+    }
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_info_requests_over_two_gateways_are_counted() {
+    let stack = Stack::start(
+        Backend::LocalSqlite,
+        Options {
+            gateways: 2,
+            sessions: false,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let urls = [stack.ws_url(0), stack.ws_url(1)];
+    let args = bench_on(
+        &stack,
+        &urls,
+        &[
+            "devinfo",
+            "--devices",
+            "1",
+            "--clients",
+            "3",
+            "--count",
+            "4",
+        ],
+    );
+    let report = aip_bench::run(args).await.expect("run");
+    println!("{}", report.to_table());
+    // One device on the first gateway, its three constellations all on the second.
+    assert_clean(&report, 12);
+    assert_eq!(report.urls, urls);
     stack.stop().await;
 }
 

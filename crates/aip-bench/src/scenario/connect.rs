@@ -1,8 +1,9 @@
-//! `connect`: N devices connect and register (at most --setup-concurrency at once), then are
-//! held S seconds, each heartbeating every --heartbeat-secs and answering pings. Reports the
-//! setup rate, connect and register latencies, the connections the broker closed while they
-//! were held, and the broker's RSS growth per connection and CPU over the window (setup and
-//! hold), read at the end of the hold while every device is still connected.
+//! `connect`: N devices connect and register (spread over the gateways round robin, at most
+//! --setup-concurrency at once), then are held S seconds, each heartbeating every
+//! --heartbeat-secs and answering pings. Reports the setup rate, connect and register
+//! latencies, the connections the broker closed while they were held, and the broker's RSS
+//! growth per connection and CPU over the window (setup and hold), read at the end of the
+//! hold while every device is still connected.
 //!
 //! Each device keeps its two setup latencies as plain numbers (no histogram per device:
 //! thousands of them would cost the generator more than the broker).
@@ -179,7 +180,7 @@ async fn device(
     let started = Instant::now();
     let connected = tokio::time::timeout_at(
         ctx.deadline.min(started + ctx.timeout),
-        Conn::connect(&ctx.target),
+        Conn::connect(ctx.target.gateway(i)),
     )
     .await;
     let mut conn = match connected {

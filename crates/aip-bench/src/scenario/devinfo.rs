@@ -1,6 +1,8 @@
 //! `devinfo`: D devices of the bench; C constellations, each registered for one device
 //! (round robin), each sending M `device_info_request`s in a closed loop. The answer is the
-//! `device_info_response` whose `response_id` is the request's `request_id`.
+//! `device_info_response` whose `response_id` is the request's `request_id`. With several
+//! gateways every constellation is on another gateway than its device
+//! ([`crate::target::Target::peer_gateway`]).
 
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -9,6 +11,7 @@ use super::{Ctx, Gate, Measured, Outcome, Window, join_all, out_of_time};
 use crate::args::DevinfoArgs;
 use crate::conn::{Conn, WireError};
 use crate::devices::Fleet;
+use crate::target::Gateway;
 use crate::wire::{self, Inbound};
 
 pub(crate) async fn run(ctx: &Ctx, args: &DevinfoArgs) -> anyhow::Result<Measured> {
@@ -17,9 +20,21 @@ pub(crate) async fn run(ctx: &Ctx, args: &DevinfoArgs) -> anyhow::Result<Measure
         .phase("registering constellations", args.clients as u64);
     let (mut starter, gate) = Gate::new(args.clients);
     let mut set = JoinSet::new();
+    let device_count = fleet.ids().len();
     for c in 0..args.clients {
-        let device = fleet.ids()[c % fleet.ids().len()].clone();
-        set.spawn(client(ctx.clone(), c, device, args.count, gate.clone()));
+        // Constellation c drives device d, from another gateway than d's when there are two
+        // or more.
+        let d = c % device_count;
+        let gateway = ctx.target.peer_gateway(d, c / device_count).clone();
+        let device = fleet.ids()[d].clone();
+        set.spawn(client(
+            ctx.clone(),
+            c,
+            device,
+            gateway,
+            args.count,
+            gate.clone(),
+        ));
     }
     drop(gate);
     starter.all_ready(ctx.deadline).await;
@@ -51,11 +66,19 @@ pub(crate) async fn run(ctx: &Ctx, args: &DevinfoArgs) -> anyhow::Result<Measure
     })
 }
 
-async fn client(ctx: Ctx, c: usize, device: String, count: usize, gate: Gate) -> Outcome {
+/// Constellation `c`: registers on `gateway` for `device`, then sends its requests.
+async fn client(
+    ctx: Ctx,
+    c: usize,
+    device: String,
+    gateway: Gateway,
+    count: usize,
+    gate: Gate,
+) -> Outcome {
     let mut outcome = Outcome::default();
     let id = format!("{}-g{c}@{device}", ctx.prefix);
     let frame = wire::constellation_register(&id, &device);
-    let mut conn = match Conn::registered(&ctx.target, frame, ctx.timeout, ctx.deadline).await {
+    let mut conn = match Conn::registered(&gateway, frame, ctx.timeout, ctx.deadline).await {
         Ok(conn) => conn,
         Err(e) => {
             outcome.failure(format!("setup of {id}: {e}"), &ctx.progress);

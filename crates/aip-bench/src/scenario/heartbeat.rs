@@ -1,6 +1,7 @@
-//! `heartbeat`: C registered devices, each sending M heartbeats in a closed loop (send, wait
-//! for the server's heartbeat, send the next). The server's heartbeat carries no
-//! correlation id: in a closed loop the next heartbeat frame is the answer.
+//! `heartbeat`: C registered devices (spread over the gateways round robin), each sending M
+//! heartbeats in a closed loop (send, wait for the server's heartbeat, send the next). The
+//! server's heartbeat carries no correlation id: in a closed loop the next heartbeat frame is
+//! the answer.
 
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -47,7 +48,7 @@ async fn client(ctx: Ctx, i: usize, count: usize, gate: Gate) -> Outcome {
     let mut outcome = Outcome::default();
     let id = format!("{}-hb-{i}", ctx.prefix);
     let mut conn = match Conn::registered(
-        &ctx.target,
+        ctx.target.gateway(i),
         wire::device_register(&id),
         ctx.timeout,
         ctx.deadline,

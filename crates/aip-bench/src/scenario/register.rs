@@ -1,5 +1,6 @@
-//! `register`: C clients, each M times: connect, REGISTER as a fresh device id, wait for the
-//! confirmation, close. No setup: the window is the whole run.
+//! `register`: C clients (spread over the gateways round robin), each M times: connect,
+//! REGISTER as a fresh device id, wait for the confirmation, close. No setup: the window is
+//! the whole run.
 
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -50,7 +51,7 @@ async fn client(ctx: Ctx, c: usize, count: usize) -> Outcome {
         let started = Instant::now();
         let connected = tokio::time::timeout_at(
             ctx.deadline.min(started + ctx.timeout),
-            Conn::connect(&ctx.target),
+            Conn::connect(ctx.target.gateway(c)),
         )
         .await;
         let mut conn = match connected {

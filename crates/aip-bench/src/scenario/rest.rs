@@ -1,8 +1,9 @@
 //! `rest`: the tasks of `tasks`, submitted with `POST /api/tasks` (target round robin over
-//! the bench's D devices, `steps` = K `echo` steps) by C workers, each following its task to
-//! the end by polling `GET /api/tasks/{id}` (1 ms, then doubling up to --poll-max-ms).
-//! Latency is from the POST to seeing the task completed, so it includes up to one polling
-//! pause. Afterwards every completed task's event log is checked.
+//! the bench's D devices, which are spread over the gateways; `steps` = K `echo` steps) by C
+//! workers, each following its task to the end by polling `GET /api/tasks/{id}` (1 ms, then
+//! doubling up to --poll-max-ms). Latency is from the POST to seeing the task completed, so
+//! it includes up to one polling pause. Afterwards every completed task's event log is
+//! checked.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

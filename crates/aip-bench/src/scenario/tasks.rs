@@ -1,6 +1,8 @@
 //! `tasks`: D devices of the bench that answer every command at once; C constellations, each
-//! registered for one device (round robin), each running M tasks one after another. A task is
-//! a UFO TASK frame whose `metadata.steps` holds K steps of one `echo` Command each (see
+//! registered for one device (round robin), each running M tasks one after another. With
+//! several gateways every constellation is on another gateway than its device
+//! ([`crate::target::Target::peer_gateway`]), so every task crosses gateways. A task is a UFO
+//! TASK frame whose `metadata.steps` holds K steps of one `echo` Command each (see
 //! [`crate::wire::echo_steps`]); it is timed from sending TASK to receiving its `task_end`.
 //! Afterwards every completed task's event log is checked over REST.
 
@@ -14,6 +16,7 @@ use super::{Ctx, Gate, Measured, Outcome, Window, join_all, out_of_time};
 use crate::args::TasksArgs;
 use crate::conn::{Conn, WireError};
 use crate::devices::Fleet;
+use crate::target::Gateway;
 use crate::verify::verify;
 use crate::wire::{self, Inbound};
 
@@ -24,12 +27,17 @@ pub(crate) async fn run(ctx: &Ctx, args: &TasksArgs) -> anyhow::Result<Measured>
     let metadata: Arc<RawValue> = Arc::from(wire::task_metadata(args.commands));
     let (mut starter, gate) = Gate::new(args.clients);
     let mut set = JoinSet::new();
+    let device_count = fleet.ids().len();
     for c in 0..args.clients {
-        let device = fleet.ids()[c % fleet.ids().len()].clone();
+        // Constellation c drives device d, from another gateway than d's when there are two
+        // or more.
+        let d = c % device_count;
+        let gateway = ctx.target.peer_gateway(d, c / device_count).clone();
         set.spawn(client(
             ctx.clone(),
             c,
-            device,
+            fleet.ids()[d].clone(),
+            gateway,
             args.count,
             metadata.clone(),
             gate.clone(),
@@ -84,10 +92,12 @@ pub(crate) async fn run(ctx: &Ctx, args: &TasksArgs) -> anyhow::Result<Measured>
     })
 }
 
+/// Constellation `c`: registers on `gateway` for `device`, then runs its tasks.
 async fn client(
     ctx: Ctx,
     c: usize,
     device: String,
+    gateway: Gateway,
     count: usize,
     metadata: Arc<RawValue>,
     gate: Gate,
@@ -95,7 +105,7 @@ async fn client(
     let mut outcome = Outcome::default();
     let id = format!("{}-g{c}@{device}", ctx.prefix);
     let frame = wire::constellation_register(&id, &device);
-    let mut conn = match Conn::registered(&ctx.target, frame, ctx.timeout, ctx.deadline).await {
+    let mut conn = match Conn::registered(&gateway, frame, ctx.timeout, ctx.deadline).await {
         Ok(conn) => conn,
         Err(e) => {
             outcome.failure(format!("setup of {id}: {e}"), &ctx.progress);
