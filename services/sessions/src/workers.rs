@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::{Headers, StreamSpec, names};
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use proto_schemas::flow::TaskRequest;
 use proto_schemas::registry::Reply;
 use proto_schemas::sessions::{GatewayEvent, TaskAccepted};
@@ -14,7 +14,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::engine::{Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester};
+use crate::engine::{Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame};
 use crate::store::now_ms;
 use aip_bus::Delivery;
 use proto_schemas::ClientMessageType;
@@ -52,7 +52,7 @@ pub async fn consume_frames(
     tracker: TaskTracker,
 ) {
     let stream = engine.subjects().frames_stream();
-    let mut deliveries = loop {
+    let deliveries = loop {
         match engine
             .bus()
             .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight)
@@ -68,48 +68,24 @@ pub async fn consume_frames(
             }
         }
     };
+    let prepare_engine = engine.clone();
+    let mut chunks = deliveries
+        .ready_chunks(CHUNK)
+        .map(move |chunk| prepare_chunk(prepare_engine.clone(), chunk))
+        .buffered(PIPELINE);
     loop {
-        let first = tokio::select! {
-            next = deliveries.next() => next,
+        let next = tokio::select! {
+            next = chunks.next() => next,
             () = stop.cancelled() => return,
         };
-        let Some(first) = first else {
+        let Some(chunk) = next else {
             tracing::error!("the frames stream ended");
             return;
         };
-        let mut chunk = vec![first];
-        while chunk.len() < CHUNK {
-            match deliveries.next().now_or_never() {
-                Some(Some(next)) => chunk.push(next),
-                _ => break,
-            }
-        }
-        let read = futures::future::join_all(chunk.into_iter().filter_map(|d| match d {
-            Ok(d) => Some(read_event(&engine, d)),
-            Err(e) => {
-                tracing::warn!("frames stream: {e}");
-                None
-            }
-        }))
-        .await;
-        let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
-        let task_frames: Vec<&InboundFrame> = events
-            .iter()
-            .filter_map(|(_, _, event)| match event {
-                GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => Some(f),
-                _ => None,
-            })
-            .collect();
-        let mut prepared = engine.prepare_frames(&task_frames).await.into_iter();
-        for (delivery, msg_id, event) in events {
+        for (delivery, msg_id, event, task) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
                 GatewayEvent::Frame(inbound) => {
-                    let task = if inbound.frame.kind == ClientMessageType::Task {
-                        prepared.next()
-                    } else {
-                        None
-                    };
                     let op = Op::Frame {
                         inbound: Box::new(inbound.clone()),
                         msg_id: msg_id.clone(),
@@ -134,6 +110,49 @@ pub async fn consume_frames(
         }
     }
 }
+
+/// One stream message, read and prepared.
+type PreparedEvent = (Delivery, String, GatewayEvent, Option<TaskFrame>);
+
+/// Reads and prepares a chunk of stream messages: bodies and events concurrently, then the
+/// chunk's `task` frames together.
+async fn prepare_chunk(
+    engine: Engine,
+    chunk: Vec<Result<Delivery, aip_bus::BusError>>,
+) -> Vec<PreparedEvent> {
+    let read = futures::future::join_all(chunk.into_iter().filter_map(|d| match d {
+        Ok(d) => Some(read_event(&engine, d)),
+        Err(e) => {
+            tracing::warn!("frames stream: {e}");
+            None
+        }
+    }))
+    .await;
+    let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
+    let task_frames: Vec<&InboundFrame> = events
+        .iter()
+        .filter_map(|(_, _, event)| match event {
+            GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => Some(f),
+            _ => None,
+        })
+        .collect();
+    let mut prepared = engine.prepare_frames(&task_frames).await.into_iter();
+    events
+        .into_iter()
+        .map(|(delivery, msg_id, event)| {
+            let task = match &event {
+                GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => {
+                    prepared.next()
+                }
+                _ => None,
+            };
+            (delivery, msg_id, event, task)
+        })
+        .collect()
+}
+
+/// Chunks prepared at once; they reach the applier in stream order.
+const PIPELINE: usize = 16;
 
 /// Stream messages taken into one chunk at most.
 const CHUNK: usize = 256;
