@@ -745,7 +745,17 @@ pub async fn run_applier(
                 continue;
             }
             let mut pending = core.take();
-            match writer.write(&pending.batch).await {
+            let started = std::time::Instant::now();
+            let written = writer.write(&pending.batch).await;
+            tracing::debug!(
+                replies = waiters.len(),
+                tasks = pending.batch.tasks.len(),
+                events = pending.batch.events.len(),
+                frames = pending.batch.outbox.len(),
+                write_us = started.elapsed().as_micros() as u64,
+                "batch written"
+            );
+            match written {
                 Ok(()) => {
                     core.committed(&pending);
                     for waiter in waiters.drain(..) {

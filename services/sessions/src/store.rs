@@ -367,6 +367,135 @@ macro_rules! write_batch {
     }};
 }
 
+/// JSON as text, for binding into a `text[]` that the statement casts to `jsonb`.
+fn json_text<T: serde::Serialize>(value: Option<&T>) -> Option<String> {
+    value.map(|v| serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned()))
+}
+
+/// Upserts every changed task in one statement: each column travels as one array.
+const PG_UPSERT_TASKS: &str = "INSERT INTO tasks (task_id, task_name, state, request, data, requester_kind, \
+    requester_id, requester_type, executor_id, executor_platform, required_capabilities, planner, steps, step, \
+    pending_response_id, needs_plan, ufo_dispatch, awaiting_echo, history, priority, result, error, error_code, \
+    callback_url, task_deadline_ms, deadline_ms, created_ms, updated_ms, next_seq) \
+    SELECT task_id, task_name, state, request, data::jsonb, requester_kind, requester_id, requester_type, \
+    executor_id, executor_platform, required_capabilities::jsonb, planner, steps::jsonb, step, pending_response_id, \
+    needs_plan, ufo_dispatch, awaiting_echo, history::jsonb, priority, result::jsonb, error, error_code, \
+    callback_url, task_deadline_ms, deadline_ms, created_ms, updated_ms, next_seq \
+    FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], \
+    $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], $14::int4[], $15::text[], $16::bool[], \
+    $17::bool[], $18::bool[], $19::text[], $20::int4[], $21::text[], $22::text[], $23::text[], $24::text[], \
+    $25::int8[], $26::int8[], $27::int8[], $28::int8[], $29::int8[]) \
+    AS u(task_id, task_name, state, request, data, requester_kind, requester_id, requester_type, executor_id, \
+    executor_platform, required_capabilities, planner, steps, step, pending_response_id, needs_plan, ufo_dispatch, \
+    awaiting_echo, history, priority, result, error, error_code, callback_url, task_deadline_ms, deadline_ms, \
+    created_ms, updated_ms, next_seq) \
+    ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, executor_id = excluded.executor_id, \
+    executor_platform = excluded.executor_platform, step = excluded.step, \
+    pending_response_id = excluded.pending_response_id, needs_plan = excluded.needs_plan, \
+    awaiting_echo = excluded.awaiting_echo, history = excluded.history, result = excluded.result, \
+    error = excluded.error, error_code = excluded.error_code, deadline_ms = excluded.deadline_ms, \
+    updated_ms = excluded.updated_ms, next_seq = excluded.next_seq";
+
+/// Writes a batch on PostgreSQL with one statement per table, whatever its size: columns
+/// travel as arrays and `UNNEST` turns them back into rows. One statement text per table
+/// stays prepared, and a batch costs a handful of round trips.
+async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    if !batch.tasks.is_empty() {
+        let t = &batch.tasks;
+        fn col<T>(t: &[TaskRow], f: impl Fn(&TaskRow) -> T) -> Vec<T> {
+            t.iter().map(f).collect()
+        }
+        sqlx::query(PG_UPSERT_TASKS)
+            .bind(col(t, |r| r.task_id.clone()))
+            .bind(col(t, |r| r.task_name.clone()))
+            .bind(col(t, |r| r.state.clone()))
+            .bind(col(t, |r| r.request.clone()))
+            .bind(col(t, |r| json_text(r.data.as_ref().map(|j| &j.0))))
+            .bind(col(t, |r| r.requester_kind.clone()))
+            .bind(col(t, |r| r.requester_id.clone()))
+            .bind(col(t, |r| r.requester_type.clone()))
+            .bind(col(t, |r| r.executor_id.clone()))
+            .bind(col(t, |r| r.executor_platform.clone()))
+            .bind(col(t, |r| json_text(Some(&r.required_capabilities.0))))
+            .bind(col(t, |r| r.planner.clone()))
+            .bind(col(t, |r| json_text(r.steps.as_ref().map(|j| &j.0))))
+            .bind(col(t, |r| r.step))
+            .bind(col(t, |r| r.pending_response_id.clone()))
+            .bind(col(t, |r| r.needs_plan))
+            .bind(col(t, |r| r.ufo_dispatch))
+            .bind(col(t, |r| r.awaiting_echo))
+            .bind(col(t, |r| json_text(Some(&r.history.0))))
+            .bind(col(t, |r| r.priority))
+            .bind(col(t, |r| json_text(r.result.as_ref().map(|j| &j.0))))
+            .bind(col(t, |r| r.error.clone()))
+            .bind(col(t, |r| r.error_code.clone()))
+            .bind(col(t, |r| r.callback_url.clone()))
+            .bind(col(t, |r| r.task_deadline_ms))
+            .bind(col(t, |r| r.deadline_ms))
+            .bind(col(t, |r| r.created_ms))
+            .bind(col(t, |r| r.updated_ms))
+            .bind(col(t, |r| r.next_seq))
+            .execute(&mut *tx)
+            .await?;
+    }
+    if !batch.events.is_empty() {
+        let e = &batch.events;
+        sqlx::query(
+            "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) \
+             SELECT task_id, seq, at_ms, kind, state, data::jsonb \
+             FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::text[], $5::text[], $6::text[]) \
+             AS u(task_id, seq, at_ms, kind, state, data)",
+        )
+        .bind(e.iter().map(|e| e.task_id.clone()).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.seq).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.at_ms).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.kind.clone()).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.state.clone()).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| json_text(e.data.as_ref())).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await?;
+    }
+    let now = now_ms();
+    if !batch.processed.is_empty() {
+        sqlx::query(
+            "INSERT INTO processed_messages (msg_id, at_ms) SELECT id, $2 FROM UNNEST($1::text[]) AS u(id) \
+             ON CONFLICT (msg_id) DO NOTHING",
+        )
+        .bind(&batch.processed)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !batch.outbox.is_empty() {
+        let o = &batch.outbox;
+        sqlx::query(
+            "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) \
+             SELECT msg_id, subject, payload, $4 FROM UNNEST($1::text[], $2::text[], $3::bytea[]) \
+             AS u(msg_id, subject, payload)",
+        )
+        .bind(o.iter().map(|f| f.msg_id.clone()).collect::<Vec<_>>())
+        .bind(o.iter().map(|f| f.subject.clone()).collect::<Vec<_>>())
+        .bind(o.iter().map(|f| f.payload.clone()).collect::<Vec<_>>())
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !batch.published.is_empty() {
+        sqlx::query("DELETE FROM task_outbox WHERE msg_id = ANY($1)")
+            .bind(&batch.published)
+            .execute(&mut *tx)
+            .await?;
+    }
+    if let Some(before) = batch.prune_processed_before {
+        sqlx::query("DELETE FROM processed_messages WHERE at_ms < $1")
+            .bind(before)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await
+}
+
 impl Writer {
     /// Writes a batch in one transaction: all of it, or (on error) none of it.
     pub async fn write(&mut self, batch: &Batch) -> Result<(), StoreError> {
@@ -374,7 +503,7 @@ impl Writer {
             return Ok(());
         }
         match self {
-            Writer::Pg(conn) => write_batch!(conn, sqlx::Postgres, batch, "DELETE FROM processed_messages WHERE at_ms < $1"),
+            Writer::Pg(conn) => Ok(write_pg(conn, batch).await?),
             Writer::Lite(conn) => write_batch!(conn, sqlx::Sqlite, batch, "DELETE FROM processed_messages WHERE at_ms < ?1"),
         }
     }

@@ -136,7 +136,14 @@ async fn prepare_chunk(
             _ => None,
         })
         .collect();
+    let started = std::time::Instant::now();
     let mut prepared = engine.prepare_frames(&task_frames).await.into_iter();
+    tracing::debug!(
+        frames = events.len(),
+        tasks = task_frames.len(),
+        prepare_us = started.elapsed().as_micros() as u64,
+        "chunk prepared"
+    );
     events
         .into_iter()
         .map(|(delivery, msg_id, event)| {
