@@ -218,7 +218,18 @@ pg_create_db() {
   log "created database $BENCH_DB"
 }
 
-pg_url() { printf 'postgres://%s@%s:%s/%s\n' "$BENCH_PG_USER" "$BENCH_PG_HOST" "$BENCH_PG_PORT" "$1"; }
+# pg_url DB: the services' database URL. With PostgreSQL on this machine the Unix socket is
+# used (BENCH_PG_SOCKET_DIR, default /var/run/postgresql; set it empty for TCP): sqlx 0.9.0
+# leaves Nagle's algorithm on for TCP (sqlx issue #4335), and a statement larger than one
+# segment then waits up to 40 ms for a delayed ACK. docs/benchmarks.md has the figures.
+BENCH_PG_SOCKET_DIR="${BENCH_PG_SOCKET_DIR-/var/run/postgresql}"
+pg_url() {
+  if [[ -n "$BENCH_PG_SOCKET_DIR" && -S "$BENCH_PG_SOCKET_DIR/.s.PGSQL.$BENCH_PG_PORT" ]]; then
+    printf 'postgres://%s@localhost:%s/%s?host=%s\n' "$BENCH_PG_USER" "$BENCH_PG_PORT" "$1" "$BENCH_PG_SOCKET_DIR"
+  else
+    printf 'postgres://%s@%s:%s/%s\n' "$BENCH_PG_USER" "$BENCH_PG_HOST" "$BENCH_PG_PORT" "$1"
+  fi
+}
 
 # new_prefix: a fresh subject prefix (bench<hex>) whose streams are deleted on exit; sets
 # BENCH_PREFIX.
