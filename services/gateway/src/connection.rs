@@ -25,6 +25,7 @@ use tokio::sync::mpsc;
 use crate::AppState;
 use crate::auth::Principal;
 use crate::rate::RateLimiter;
+use crate::replies;
 
 /// WebSocket close codes used by the gateway.
 pub mod close {
@@ -72,21 +73,29 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
     let (mut sink, mut stream) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Outbound>(state.settings.gateway.outbound_queue);
 
+    // Writes what is queued, one flush (one write to the socket) for all frames queued at once.
     let writer = tokio::spawn(async move {
-        while let Some(item) = out_rx.recv().await {
-            let result = match item {
-                Outbound::Frame(text) => sink.send(Message::Text(text)).await,
-                Outbound::Ping => sink.send(Message::Ping(Default::default())).await,
-                Outbound::Close(code, reason) => {
-                    let frame = CloseFrame {
-                        code,
-                        reason: Utf8Bytes::from(reason),
-                    };
-                    let _ = sink.send(Message::Close(Some(frame))).await;
-                    break;
+        'queue: while let Some(first) = out_rx.recv().await {
+            let mut next = Some(first);
+            while let Some(item) = next {
+                let fed = match item {
+                    Outbound::Frame(text) => sink.feed(Message::Text(text)).await,
+                    Outbound::Ping => sink.feed(Message::Ping(Default::default())).await,
+                    Outbound::Close(code, reason) => {
+                        let frame = CloseFrame {
+                            code,
+                            reason: Utf8Bytes::from(reason),
+                        };
+                        let _ = sink.send(Message::Close(Some(frame))).await;
+                        break 'queue;
+                    }
+                };
+                if fed.is_err() {
+                    break 'queue;
                 }
-            };
-            if result.is_err() {
+                next = out_rx.try_recv().ok();
+            }
+            if sink.flush().await.is_err() {
                 break;
             }
         }
@@ -106,9 +115,27 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
         input_left_unread: false,
     };
     let ended = conn.run(&mut stream).await;
+    // Runs once per connection: boxed, so that the future each open connection holds does not
+    // reserve room for it (memory per idle connection).
+    Box::pin(finish(conn, ended, stream, writer)).await;
+}
+
+/// After the connection ended: forgets it, tells the session service and the registry, and
+/// finishes the closing handshake.
+async fn finish(
+    conn: Connection,
+    ended: Ended,
+    mut stream: FrameStream,
+    mut writer: tokio::task::JoinHandle<()>,
+) {
+    let state = conn.state.clone();
     tracing::debug!(connection = %conn.connection_id, reason = %ended.reason, "connection ended");
     if let Some(identity) = &conn.identity {
         state.presence.remove(&conn.connection_id);
+        // Before the registry hears of it: from now on, device info comes from the registry.
+        state
+            .devices
+            .remove(&identity.client_id, &conn.connection_id);
         conn.announce_closed(identity, &ended.reason).await;
         conn.unregister(identity, &ended.reason).await;
     }
@@ -120,7 +147,6 @@ pub async fn serve(socket: WebSocket, state: Arc<AppState>, principal: Principal
     // saying why); a client that does not finish within CLOSE_GRACE (one that stopped
     // reading, say) is dropped anyway, so it cannot keep its connection slot. When the
     // gateway shuts down, the close frame is sent but answers are not awaited.
-    let mut writer = writer;
     let shutting_down = state.shutdown.is_cancelled();
     let drain = async {
         if shutting_down {
@@ -153,7 +179,7 @@ struct Connection {
     connection_id: String,
     principal: Principal,
     out: mpsc::Sender<Outbound>,
-    identity: Option<Identity>,
+    identity: Option<Arc<Identity>>,
     /// Frames put into the frames stream so far; numbers their `Nats-Msg-Id`.
     frames_forwarded: u64,
     /// Ids of recent deliveries, so a frame re-sent after a sender's crash is written once.
@@ -220,7 +246,9 @@ impl Connection {
                 Message::Ping(_) | Message::Pong(_) => {}
             }
         };
-        let (mut deliveries, liveness) = match self.register(bytes.as_str()).await {
+        // Boxed, here and for each frame and delivery below: the future of an idle connection
+        // then holds only the loop, not room for the largest step it may take.
+        let (mut deliveries, liveness) = match Box::pin(self.register(bytes.as_str())).await {
             Ok(ok) => ok,
             Err(ended) => return ended,
         };
@@ -247,7 +275,7 @@ impl Connection {
                     liveness.touch();
                     match message {
                         Message::Text(text) => {
-                            if let Some(ended) = self.on_frame(text.as_str()).await {
+                            if let Some(ended) = Box::pin(self.on_frame(text.as_str())).await {
                                 return ended;
                             }
                         }
@@ -264,7 +292,7 @@ impl Connection {
                 delivery = deliveries.next() => {
                     match delivery {
                         Some(message) => {
-                            if let Some(ended) = self.on_delivery(message).await {
+                            if let Some(ended) = Box::pin(self.on_delivery(message)).await {
                                 return ended;
                             }
                         }
@@ -316,15 +344,19 @@ impl Connection {
     /// disconnected by the caller's next check; here the frame is counted as refused.
     fn send(&self, message: ServerMessage) -> bool {
         match serde_json::to_string(&message) {
-            Ok(text) => self
-                .out
-                .try_send(Outbound::Frame(Utf8Bytes::from(text)))
-                .is_ok(),
+            Ok(text) => self.send_text(text),
             Err(e) => {
                 tracing::error!("server frame not serialisable: {e}");
                 true
             }
         }
+    }
+
+    /// Queues a frame already serialised, as [`Self::send`].
+    fn send_text(&self, text: String) -> bool {
+        self.out
+            .try_send(Outbound::Frame(Utf8Bytes::from(text)))
+            .is_ok()
     }
 
     fn close(&self, code: u16, reason: &str) {
@@ -400,6 +432,23 @@ impl Connection {
             return Err(refuse(self, ErrorCode::Forbidden, text, close::POLICY));
         }
         let target_id = frame.target_id.clone().filter(|t| !t.is_empty());
+        // A device's system info, for the device-info requests this gateway answers itself
+        // (see `crate::devices`); `None`: requests about this client go to the registry.
+        let local_info = if client_type == ClientType::Device {
+            let raw = details
+                .system_info
+                .as_ref()
+                .map(serde_json::value::to_raw_value);
+            match raw.transpose() {
+                Ok(info) => Some(info),
+                Err(e) => {
+                    tracing::error!(client = %client_id, "system_info not serialisable: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let request = RegisterAgent {
             version: V1,
             agent_id: client_id.clone(),
@@ -457,16 +506,21 @@ impl Connection {
                 tracing::warn!(client = %client_id, "could not tell the stale connection to close: {e}");
             }
         }
+        if let Some(info) = local_info {
+            self.state
+                .devices
+                .insert(&client_id, &self.connection_id, info);
+        }
         self.send(server::registered(&details.extensions));
         let liveness = self.state.presence.insert(&self.connection_id, &client_id);
         tracing::info!(client = %client_id, kind = client_type.as_str(), connection = %self.connection_id, "registered");
-        self.identity = Some(Identity {
+        self.identity = Some(Arc::new(Identity {
             client_id,
             client_type,
             target_id,
             platform: details.platform,
             extensions: details.extensions,
-        });
+        }));
         Ok((deliveries, liveness))
     }
 
@@ -631,7 +685,8 @@ impl Connection {
         None
     }
 
-    /// A constellation asks for a device's system information.
+    /// A constellation asks for a device's system information: answered from this gateway's
+    /// own devices ([`crate::devices`]) when the device is one of them, else by the registry.
     async fn device_info(&self, identity: &Identity, frame: &ClientMessage) {
         let request_id = frame.request_id.as_deref();
         if identity.client_type != ClientType::Constellation {
@@ -650,6 +705,17 @@ impl Connection {
                 ));
                 return;
             }
+        }
+        if let Some(device) = self.state.devices.get(&target) {
+            match &device.system_info {
+                Some(info) => self.send_text(replies::device_info(request_id, info)),
+                None => self.send(server::device_info_error(
+                    request_id,
+                    format!("Device {target} has no system info"),
+                    ErrorCode::DeviceNotFound,
+                )),
+            };
+            return;
         }
         let request = GetAgent {
             version: V1,

@@ -11,8 +11,10 @@
 
 pub mod auth;
 pub mod connection;
+pub mod devices;
 pub mod presence;
 pub mod rate;
+pub mod replies;
 pub mod settings;
 
 use std::collections::HashMap;
@@ -51,6 +53,8 @@ pub struct AppState {
     pub credentials: Credentials,
     /// Registered connections, for presence.
     pub presence: Arc<presence::PresenceTable>,
+    /// Devices registered on this gateway, for device-info requests.
+    pub devices: devices::LocalDevices,
     /// Cancelled when the gateway shuts down.
     pub shutdown: CancellationToken,
     connections: Arc<Semaphore>,
@@ -134,6 +138,7 @@ impl Application {
             subjects,
             credentials,
             presence: Arc::new(presence::PresenceTable::default()),
+            devices: devices::LocalDevices::default(),
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
         });
@@ -238,6 +243,15 @@ fn refuse(status: StatusCode, code: ErrorCode, detail: impl Into<String>) -> Res
     (status, axum::Json(ErrorBody::new(code, detail))).into_response()
 }
 
+/// Bytes read from a socket at a time. The WebSocket layer zeroes and keeps this much per
+/// connection (its default, 128 KiB, was most of an idle connection's memory); AIP frames are
+/// mostly far smaller, and a larger frame grows the buffer to its size while it is read.
+const READ_BUFFER_BYTES: usize = 1024;
+
+/// Frames queued for one socket are written once they reach this size, or at the writer's
+/// flush after its queue runs empty, whichever comes first.
+const WRITE_BUFFER_BYTES: usize = 16 * 1024;
+
 /// The handshake: authenticate, admit within the connection limit, upgrade.
 async fn websocket(
     State(state): State<Arc<AppState>>,
@@ -281,6 +295,8 @@ async fn websocket(
     upgrade
         .max_message_size(max)
         .max_frame_size(max)
+        .read_buffer_size(READ_BUFFER_BYTES)
+        .write_buffer_size(WRITE_BUFFER_BYTES)
         .on_upgrade(move |socket| {
             tracker.track_future(async move {
                 connection::serve(socket, state, principal).await;

@@ -6,9 +6,9 @@
 mod common;
 
 use aip_gateway::auth::hash_token;
-use aip_testkit::frames::{constellation_register, device_register};
+use aip_testkit::frames::{constellation_register, device_info_request, device_register};
 use aip_testkit::{Backend, Options, Stack, both_backends};
-use common::{Ws, refused_registration, registered, until_online};
+use common::{Ws, refused_registration, registered, until_offline, until_online};
 use serde_json::json;
 
 const LAB_TOKEN: &str = "lab-secret-token";
@@ -199,3 +199,62 @@ async fn same_credential_takes_over_another_is_refused(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(same_credential_takes_over_another_is_refused);
+
+/// Device info is answered by the gateway holding the device; a takeover replaces what it
+/// answers with the new registration's system info, and the old connection's end leaves it.
+async fn a_takeover_is_described_by_its_new_system_info(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            credentials: Some(credentials()),
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let lab = with_token(&stack.ws_url(0), LAB_TOKEN);
+    let ops = with_token(&stack.ws_url(0), OPS_TOKEN);
+    let register = |os: &str| {
+        let mut frame = device_register("pc-7", "windows");
+        frame["metadata"]["system_info"]["os_version"] = json!(os);
+        frame
+    };
+    let mut first = registered(&lab, &register("first")).await;
+    until_online(&stack, "pc-7").await;
+    let mut galaxy = registered(&ops, &constellation_register("galaxy@pc-7", Some("pc-7"))).await;
+    let mut ask = async |request_id: &str| {
+        galaxy
+            .send(&device_info_request("galaxy@pc-7", "pc-7", request_id))
+            .await;
+        let info = galaxy.recv_kind("device_info_response").await;
+        assert_eq!(info["response_id"], request_id, "{info}");
+        info
+    };
+    assert_eq!(
+        ask("r1").await["result"],
+        register("first")["metadata"]["system_info"]
+    );
+
+    // Asked at once, while the replaced connection may still be open, and after it closed.
+    let mut second = registered(&lab, &register("second")).await;
+    assert_eq!(
+        ask("r2").await["result"],
+        register("second")["metadata"]["system_info"]
+    );
+    let closed = first.closed().await;
+    assert_eq!(closed.code, Some(1008), "{closed:?}");
+    assert_eq!(
+        ask("r3").await["result"],
+        register("second")["metadata"]["system_info"]
+    );
+    second.heartbeat("pc-7", "device").await;
+
+    second.close().await;
+    until_offline(&stack, "pc-7").await;
+    let gone = ask("r4").await;
+    assert_eq!(gone["status"], "error", "{gone}");
+    assert_eq!(gone["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{gone}");
+    stack.stop().await;
+}
+both_backends!(a_takeover_is_described_by_its_new_system_info);

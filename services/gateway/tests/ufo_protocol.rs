@@ -315,6 +315,70 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
 }
 both_backends!(constellation_gets_device_info_across_gateways);
 
+/// The gateway answers device-info requests about its own devices itself, without a registry
+/// request, with the system info as registered; about other devices, and once a device has
+/// left, it asks the registry.
+async fn device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry(backend: Backend) {
+    use futures::StreamExt;
+
+    let stack = Stack::start(backend, options()).await.expect("stack");
+    let subjects = proto_schemas::Subjects::new(&stack.prefix).expect("prefix");
+    // A copy of every `registry.get` request, in the order the gateway sent them.
+    let mut gets = stack
+        .bus
+        .subscribe(subjects.registry_get())
+        .await
+        .expect("subscribed");
+    let mut next_get = async || {
+        let message = tokio::time::timeout(aip_testkit::WAIT, gets.next())
+            .await
+            .expect("a registry.get request")
+            .expect("subscription open");
+        let request: Value = serde_json::from_slice(&message.payload).expect("JSON");
+        request["agent_id"].clone()
+    };
+    let url = stack.ws_url(0);
+    let register = device_register("pc-local", "linux");
+    let device = registered(&url, &register).await;
+    let mut galaxy = registered(&url, &constellation_register("free@any", None)).await;
+    let mut ask = async |target: &str, request_id: &str| {
+        galaxy
+            .send(&device_info_request("free@any", target, request_id))
+            .await;
+        let info = galaxy.recv_kind("device_info_response").await;
+        assert_eq!(info["response_id"], request_id, "{info}");
+        info
+    };
+    for i in 0..3 {
+        let info = ask("pc-local", &format!("local-{i}")).await;
+        assert_eq!(info["status"], "ok", "{info}");
+        assert_eq!(info["result"], register["metadata"]["system_info"]);
+        common::assert_timestamp(&info);
+    }
+    // A device this gateway does not hold: the registry is asked, and that is its first
+    // request (requests reach the subscription in the order they were sent).
+    let ghost = ask("ghost", "ghost-1").await;
+    assert_eq!(ghost["status"], "error", "{ghost}");
+    assert_eq!(
+        next_get().await,
+        "ghost",
+        "device info of pc-local came from the gateway"
+    );
+
+    device.close().await;
+    until_offline(&stack, "pc-local").await;
+    let gone = ask("pc-local", "gone-1").await;
+    assert_eq!(gone["status"], "error", "{gone}");
+    assert_eq!(gone["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{gone}");
+    assert_eq!(
+        next_get().await,
+        "pc-local",
+        "after it left, the registry is asked"
+    );
+    stack.stop().await;
+}
+both_backends!(device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry);
+
 async fn eventually_on_gateway(stack: &Stack, id: &str, gateway: &str) {
     let base = stack.registry_url();
     aip_testkit::eventually(&format!("{id} held by {gateway}"), || {

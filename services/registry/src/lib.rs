@@ -17,6 +17,7 @@
 //! PostgreSQL or SQLite; the bus is any [`aip_bus::Bus`]. [`Application`] puts them together.
 
 pub mod bus_api;
+pub mod group_commit;
 pub mod http;
 pub mod presence;
 pub mod python_repr;

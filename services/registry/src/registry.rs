@@ -3,7 +3,8 @@
 //! [`Registry`] answers the four requests (register, unregister, get, lookup) with the
 //! payloads of `proto_schemas::registry`, refusing with an [`ErrorBody`] whose code and text
 //! are what the gateway forwards to the client. The admission rule for a registration,
-//! [`admit`], is a pure function the store runs inside its transaction.
+//! [`admit`], is a pure function the store runs inside its transaction. Registrations and
+//! unregistrations go through [`crate::group_commit`], many per transaction.
 
 use std::sync::Arc;
 
@@ -12,8 +13,11 @@ use proto_schemas::registry::{
 };
 use proto_schemas::{ClientType, ErrorBody, ErrorCode};
 
+use crate::group_commit::WriteQueue;
 use crate::python_repr::python_repr;
-use crate::store::{AgentStore, Holder, LookupQuery, RegisterOutcome, StoreError, Windows};
+use crate::store::{
+    AgentStore, Holder, LookupQuery, RegisterOutcome, StoreError, Unregister, Windows,
+};
 
 /// Lookup answers at most this many agents unless asked for fewer.
 pub const DEFAULT_LOOKUP_LIMIT: u32 = 10;
@@ -25,12 +29,21 @@ pub const MAX_LOOKUP_LIMIT: u32 = 1000;
 pub struct Registry {
     store: Arc<dyn AgentStore>,
     windows: Windows,
+    /// Registrations and unregistrations, written many per transaction.
+    writes: WriteQueue,
 }
 
 impl Registry {
-    /// A registry over `store`, judging liveness by `windows`.
+    /// A registry over `store`, judging liveness by `windows`. Starts the task that writes
+    /// registrations (see [`crate::group_commit`]), so it must be called within a Tokio
+    /// runtime; that task ends when the last clone of the registry is dropped.
     pub fn new(store: Arc<dyn AgentStore>, windows: Windows) -> Self {
-        Registry { store, windows }
+        let writes = WriteQueue::start(store.clone(), windows, &admit);
+        Registry {
+            store,
+            windows,
+            writes,
+        }
     }
 
     /// The store.
@@ -68,13 +81,8 @@ impl Registry {
                 format!("Target device '{target}' is not connected"),
             ));
         }
-        let admit_request = |holder: Option<&Holder>| admit(&request, holder);
-        match self
-            .store
-            .register(&request, &self.windows, &admit_request)
-            .await
-            .map_err(store_failure)?
-        {
+        let agent_id = request.agent_id.clone();
+        match self.writes.register(request).await.map_err(store_failure)? {
             RegisterOutcome::Registered(registered) => {
                 tracing::info!(
                     agent_id = %registered.agent.agent_id,
@@ -87,7 +95,7 @@ impl Registry {
                 Ok(*registered)
             }
             RegisterOutcome::Refused(refusal) => {
-                tracing::info!(agent_id = %request.agent_id, reason = %refusal.detail, "registration refused");
+                tracing::info!(%agent_id, reason = %refusal.detail, "registration refused");
                 Err(refusal)
             }
         }
@@ -96,8 +104,11 @@ impl Registry {
     /// `registry.unregister`: offline, if that connection still holds the id.
     pub async fn unregister(&self, request: UnregisterAgent) -> Result<Unregistered, ErrorBody> {
         let went_offline = self
-            .store
-            .unregister(&request.agent_id, &request.connection_id)
+            .writes
+            .unregister(Unregister {
+                agent_id: request.agent_id.clone(),
+                connection_id: request.connection_id.clone(),
+            })
             .await
             .map_err(store_failure)?;
         tracing::info!(

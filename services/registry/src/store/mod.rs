@@ -36,31 +36,36 @@ pub fn for_database(db: &Database) -> Arc<dyn AgentStore> {
 /// offline, last seen within the given window, and held by a gateway whose last presence
 /// report (or registration) is within the gateway window.
 pub trait AgentStore: Send + Sync + 'static {
-    /// Registers `request`: records its gateway as alive, then, holding the id's row (or the
-    /// right to create it), asks `admit` about the current holder and writes the new entry if
-    /// admitted. The new entry is `available`, seen now; `connected_at` and `load` are kept
-    /// only when the same connection registers again.
-    fn register<'a>(
+    /// Applies a batch of registrations and unregistrations, no two naming the same agent,
+    /// in one transaction: group commit, many requests for one commit. Returns one result per
+    /// write, in the batch's order; `Err` if the transaction failed, and nothing was written.
+    ///
+    /// Unregistrations are applied before registrations: the requests of one batch are
+    /// concurrent, so this is one of their valid orders. An unregistration marks the agent
+    /// offline if its connection still holds it, and says whether it went offline (false:
+    /// another connection holds the id, or it was offline already); a connection that ended
+    /// is never brought back by a late presence report. A registration records its gateway
+    /// as alive (PostgreSQL: in a statement of its own before the transaction, at most every
+    /// half second per gateway), then, holding the id's row (or the right to create it), asks
+    /// `admit` about
+    /// the current holder and writes the new entry if admitted. The new entry is `available`,
+    /// seen now; `connected_at` and `load` are kept only when the same connection registers
+    /// again.
+    ///
+    /// A registration whose current holder's row cannot be read fails alone, before anything
+    /// is written for it; the others still commit.
+    fn write_batch<'a>(
         &'a self,
-        request: &'a RegisterAgent,
+        batch: &'a WriteBatch,
         windows: &'a Windows,
-        admit: &'a Admit<'a>,
-    ) -> BoxFuture<'a, Result<RegisterOutcome, StoreError>>;
+        admit: &'a Admit,
+    ) -> BoxFuture<'a, Result<BatchOutcome, StoreError>>;
 
     /// Whether `agent_id` is a live device.
     fn is_live_device<'a>(
         &'a self,
         agent_id: &'a str,
         windows: &'a Windows,
-    ) -> BoxFuture<'a, Result<bool, StoreError>>;
-
-    /// Marks the agent offline if `connection_id` still holds it. Returns whether it went
-    /// offline (false: another connection holds the id, or it was offline already). A
-    /// connection that ended is never brought back by a late presence report.
-    fn unregister<'a>(
-        &'a self,
-        agent_id: &'a str,
-        connection_id: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     /// One agent, whatever its status.
@@ -107,8 +112,55 @@ pub trait AgentStore: Send + Sync + 'static {
 /// Decides whether a registration may take the id from its current holder (`None`: nobody
 /// has ever held it). `Ok(replaced)` admits it; `replaced` names a connection to be closed.
 /// `Err` refuses it with that error.
-pub type Admit<'a> =
-    dyn Fn(Option<&Holder>) -> Result<Option<String>, ErrorBody> + Send + Sync + 'a;
+pub type Admit =
+    dyn Fn(&RegisterAgent, Option<&Holder>) -> Result<Option<String>, ErrorBody> + Send + Sync;
+
+/// Writes for one transaction ([`AgentStore::write_batch`]); no two name the same agent.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WriteBatch {
+    /// Connections that ended.
+    pub unregisters: Vec<Unregister>,
+    /// Registrations.
+    pub registers: Vec<RegisterAgent>,
+}
+
+impl WriteBatch {
+    /// How many writes it holds.
+    pub fn len(&self) -> usize {
+        self.unregisters.len() + self.registers.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The agents it writes, unregistrations first.
+    pub fn agent_ids(&self) -> impl Iterator<Item = &str> {
+        self.unregisters
+            .iter()
+            .map(|u| u.agent_id.as_str())
+            .chain(self.registers.iter().map(|r| r.agent_id.as_str()))
+    }
+}
+
+/// The end of a connection: the agent goes offline if that connection still holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unregister {
+    /// The agent.
+    pub agent_id: String,
+    /// The connection that ended.
+    pub connection_id: String,
+}
+
+/// What a [`WriteBatch`] did: one result per write, in the batch's order.
+#[derive(Debug, Default)]
+pub struct BatchOutcome {
+    /// Per unregistration: whether the agent went offline.
+    pub unregistered: Vec<Result<bool, StoreError>>,
+    /// Per registration: its outcome.
+    pub registered: Vec<Result<RegisterOutcome, StoreError>>,
+}
 
 /// The current holder of an id, as read under the row lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,7 +176,7 @@ pub struct Holder {
     pub live: bool,
 }
 
-/// The outcome of [`AgentStore::register`].
+/// The outcome of a registration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RegisterOutcome {
     /// Written.
@@ -214,23 +266,33 @@ pub enum StoreError {
         /// What is wrong.
         detail: String,
     },
-    /// Concurrent registrations of one id kept colliding.
+    /// A concurrent registration of the same id got in the way, in a way this transaction
+    /// cannot settle; trying again helps.
     #[error(
-        "registration of `{agent_id}` kept colliding with concurrent registrations of the same id"
+        "registration of `{agent_id}` collided with a concurrent registration of the same id; try again"
     )]
     Contention {
         /// The agent.
         agent_id: String,
     },
+    /// The transaction of a batch failed: every write of the batch gets this error.
+    #[error("{0}")]
+    Batch(std::sync::Arc<StoreError>),
+    /// The task writing batches has stopped (the registry is shutting down).
+    #[error("the registry is shutting down and takes no more writes")]
+    Stopped,
 }
 
 impl StoreError {
     /// Whether retrying later may help (the database is down or overloaded).
     pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
-            StoreError::Unavailable(_) | StoreError::Contention { .. }
-        )
+        match self {
+            StoreError::Unavailable(_) | StoreError::Contention { .. } | StoreError::Stopped => {
+                true
+            }
+            StoreError::Batch(cause) => cause.is_unavailable(),
+            StoreError::Query(_) | StoreError::Corrupt { .. } => false,
+        }
     }
 }
 
@@ -321,9 +383,6 @@ impl AgentRow {
 pub(crate) fn extension_names(extensions: &[Extension]) -> Vec<&'static str> {
     extensions.iter().map(|e| e.as_str()).collect()
 }
-
-/// How many times a registration retries after losing an insert race.
-pub(crate) const REGISTER_ATTEMPTS: usize = 5;
 
 /// Milliseconds of a duration, for binding.
 pub(crate) fn millis(d: Duration) -> i64 {

@@ -15,9 +15,9 @@ use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{
-    AGENT_COLUMNS, Admit, AgentFilter, AgentRow, AgentStore, Holder, LookupQuery, PresenceApplied,
-    PresenceFlush, RETURNING_COLUMNS, RegisterOutcome, StoreError, Windows, extension_names,
-    millis,
+    AGENT_COLUMNS, Admit, AgentFilter, AgentRow, AgentStore, BatchOutcome, Holder, LookupQuery,
+    PresenceApplied, PresenceFlush, RETURNING_COLUMNS, RegisterOutcome, StoreError, Windows,
+    WriteBatch, extension_names, millis,
 };
 
 /// Agents in SQLite (tables from `migrations/sqlite`).
@@ -85,97 +85,32 @@ macro_rules! has_all_capabilities {
     };
 }
 
+type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
+
 impl SqliteAgentStore {
-    async fn register_inner(
+    /// One `BEGIN IMMEDIATE` transaction for the whole batch, statement by statement (SQLite
+    /// is in this process: there are no round trips to save). A failed statement fails the
+    /// batch (the transaction is rolled back); a stored row that cannot be read fails only
+    /// its write.
+    async fn write_batch_inner(
         &self,
-        request: &RegisterAgent,
+        batch: &WriteBatch,
         windows: &Windows,
-        admit: &Admit<'_>,
-    ) -> Result<RegisterOutcome, StoreError> {
+        admit: &Admit,
+    ) -> Result<BatchOutcome, StoreError> {
         let now = now_ms();
+        let mut outcome = BatchOutcome::default();
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::query(
-            "INSERT INTO gateways (gateway_id, last_seen) VALUES (?1, ?2) \
-             ON CONFLICT (gateway_id) DO UPDATE SET last_seen = excluded.last_seen",
-        )
-        .bind(&request.gateway_id)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        let holder = sqlx::query(
-            "SELECT a.connection_id, a.principal, a.status, \
-                    (a.status <> 'offline' AND a.last_seen >= ?2 \
-                     AND g.last_seen IS NOT NULL AND g.last_seen >= ?3) AS live \
-             FROM agents a LEFT JOIN gateways g ON g.gateway_id = a.gateway_id \
-             WHERE a.agent_id = ?1",
-        )
-        .bind(&request.agent_id)
-        .bind(now.saturating_sub(millis(windows.agent)))
-        .bind(now.saturating_sub(millis(windows.gateway)))
-        .fetch_optional(&mut *tx)
-        .await?
-        .map(|row| -> Result<Holder, StoreError> {
-            let status: String = row.try_get("status")?;
-            Ok(Holder {
-                connection_id: row.try_get("connection_id")?,
-                principal: row.try_get("principal")?,
-                status: AgentStatus::from_wire(&status).ok_or_else(|| StoreError::Corrupt {
-                    agent_id: request.agent_id.clone(),
-                    detail: format!("unknown status `{status}`"),
-                })?,
-                live: row.try_get("live")?,
-            })
-        })
-        .transpose()?;
-        let replaced_connection = match admit(holder.as_ref()) {
-            Ok(replaced) => replaced,
-            Err(refusal) => {
-                tx.rollback().await?;
-                return Ok(RegisterOutcome::Refused(refusal));
-            }
-        };
-        // The write lock is held since BEGIN IMMEDIATE: nobody inserted the id meanwhile.
-        let sql = AssertSqlSafe(if holder.is_some() {
-            format!(
-                "UPDATE agents SET client_type = ?2, platform = ?3, \
-                     status = CASE WHEN connection_id = ?12 AND status = 'busy' THEN 'busy' ELSE 'available' END, \
-                     offline_reason = NULL, capabilities = ?4, tools = ?5, system_info = ?6, metadata = ?7, \
-                     extensions = ?8, target_id = ?9, principal = ?10, gateway_id = ?11, connection_id = ?12, \
-                     load = CASE WHEN connection_id = ?12 AND status <> 'offline' THEN load ELSE 0 END, \
-                     connected_at = CASE WHEN connection_id = ?12 AND status <> 'offline' THEN connected_at ELSE ?13 END, \
-                     last_seen = ?13 \
-                 WHERE agent_id = ?1 RETURNING {RETURNING_COLUMNS}"
-            )
-        } else {
-            format!(
-                "INSERT INTO agents (agent_id, client_type, platform, status, capabilities, tools, system_info, \
-                     metadata, extensions, target_id, principal, gateway_id, connection_id, load, connected_at, last_seen) \
-                 VALUES (?1, ?2, ?3, 'available', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 0, ?13, ?13) \
-                 RETURNING {RETURNING_COLUMNS}"
-            )
-        });
-        let row = sqlx::query(sql)
-            .bind(&request.agent_id)
-            .bind(request.client_type.as_str())
-            .bind(request.platform.as_str())
-            .bind(Json(&request.capabilities))
-            .bind(Json(&request.tools))
-            .bind(request.system_info.as_ref().map(Json))
-            .bind(request.metadata.as_ref().map(Json))
-            .bind(Json(extension_names(&request.extensions)))
-            .bind(request.target_id.as_deref())
-            .bind(&request.principal)
-            .bind(&request.gateway_id)
-            .bind(&request.connection_id)
-            .bind(now)
-            .fetch_one(&mut *tx)
-            .await?;
-        let agent = record(&row)?;
+        for u in &batch.unregisters {
+            let went_offline = unregister_in(&mut tx, &u.agent_id, &u.connection_id).await?;
+            outcome.unregistered.push(Ok(went_offline));
+        }
+        for request in &batch.registers {
+            let registered = register_in(&mut tx, request, windows, admit, now).await?;
+            outcome.registered.push(registered);
+        }
         tx.commit().await?;
-        Ok(RegisterOutcome::Registered(Box::new(Registered {
-            agent,
-            replaced_connection,
-        })))
+        Ok(outcome)
     }
 
     async fn apply_presence_inner(
@@ -228,14 +163,134 @@ impl SqliteAgentStore {
     }
 }
 
+/// Registers `request` inside the batch's transaction. The inner error fails this write only
+/// (its holder cannot be read; nothing was written); the outer one fails the batch.
+async fn register_in(
+    tx: &mut SqliteTx,
+    request: &RegisterAgent,
+    windows: &Windows,
+    admit: &Admit,
+    now: i64,
+) -> Result<Result<RegisterOutcome, StoreError>, StoreError> {
+    sqlx::query(
+        "INSERT INTO gateways (gateway_id, last_seen) VALUES (?1, ?2) \
+         ON CONFLICT (gateway_id) DO UPDATE SET last_seen = excluded.last_seen",
+    )
+    .bind(&request.gateway_id)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    let row = sqlx::query(
+        "SELECT a.connection_id, a.principal, a.status, \
+                (a.status <> 'offline' AND a.last_seen >= ?2 \
+                 AND g.last_seen IS NOT NULL AND g.last_seen >= ?3) AS live \
+         FROM agents a LEFT JOIN gateways g ON g.gateway_id = a.gateway_id \
+         WHERE a.agent_id = ?1",
+    )
+    .bind(&request.agent_id)
+    .bind(now.saturating_sub(millis(windows.agent)))
+    .bind(now.saturating_sub(millis(windows.gateway)))
+    .fetch_optional(&mut **tx)
+    .await?;
+    let holder = match row {
+        None => None,
+        Some(row) => {
+            let status: String = row.try_get("status")?;
+            let Some(status) = AgentStatus::from_wire(&status) else {
+                return Ok(Err(StoreError::Corrupt {
+                    agent_id: request.agent_id.clone(),
+                    detail: format!("unknown status `{status}`"),
+                }));
+            };
+            Some(Holder {
+                connection_id: row.try_get("connection_id")?,
+                principal: row.try_get("principal")?,
+                status,
+                live: row.try_get("live")?,
+            })
+        }
+    };
+    let replaced_connection = match admit(request, holder.as_ref()) {
+        Ok(replaced) => replaced,
+        Err(refusal) => return Ok(Ok(RegisterOutcome::Refused(refusal))),
+    };
+    // The write lock is held since BEGIN IMMEDIATE: nobody inserted the id meanwhile.
+    let sql = AssertSqlSafe(if holder.is_some() {
+        format!(
+            "UPDATE agents SET client_type = ?2, platform = ?3, \
+                 status = CASE WHEN connection_id = ?12 AND status = 'busy' THEN 'busy' ELSE 'available' END, \
+                 offline_reason = NULL, capabilities = ?4, tools = ?5, system_info = ?6, metadata = ?7, \
+                 extensions = ?8, target_id = ?9, principal = ?10, gateway_id = ?11, connection_id = ?12, \
+                 load = CASE WHEN connection_id = ?12 AND status <> 'offline' THEN load ELSE 0 END, \
+                 connected_at = CASE WHEN connection_id = ?12 AND status <> 'offline' THEN connected_at ELSE ?13 END, \
+                 last_seen = ?13 \
+             WHERE agent_id = ?1 RETURNING {RETURNING_COLUMNS}"
+        )
+    } else {
+        format!(
+            "INSERT INTO agents (agent_id, client_type, platform, status, capabilities, tools, system_info, \
+                 metadata, extensions, target_id, principal, gateway_id, connection_id, load, connected_at, last_seen) \
+             VALUES (?1, ?2, ?3, 'available', ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 0, ?13, ?13) \
+             RETURNING {RETURNING_COLUMNS}"
+        )
+    });
+    let row = sqlx::query(sql)
+        .bind(&request.agent_id)
+        .bind(request.client_type.as_str())
+        .bind(request.platform.as_str())
+        .bind(Json(&request.capabilities))
+        .bind(Json(&request.tools))
+        .bind(request.system_info.as_ref().map(Json))
+        .bind(request.metadata.as_ref().map(Json))
+        .bind(Json(extension_names(&request.extensions)))
+        .bind(request.target_id.as_deref())
+        .bind(&request.principal)
+        .bind(&request.gateway_id)
+        .bind(&request.connection_id)
+        .bind(now)
+        .fetch_one(&mut **tx)
+        .await?;
+    // Written: a row that cannot be read back fails the batch, so that it is rolled back.
+    let agent = record(&row)?;
+    Ok(Ok(RegisterOutcome::Registered(Box::new(Registered {
+        agent,
+        replaced_connection,
+    }))))
+}
+
+/// Marks `agent_id` offline inside the batch's transaction, if `connection_id` holds it.
+async fn unregister_in(
+    tx: &mut SqliteTx,
+    agent_id: &str,
+    connection_id: &str,
+) -> Result<bool, StoreError> {
+    let old: Option<String> =
+        sqlx::query_scalar("SELECT status FROM agents WHERE agent_id = ?1 AND connection_id = ?2")
+            .bind(agent_id)
+            .bind(connection_id)
+            .fetch_optional(&mut **tx)
+            .await?;
+    if old.is_some() {
+        sqlx::query(
+            "UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
+             WHERE agent_id = ?1 AND connection_id = ?2",
+        )
+        .bind(agent_id)
+        .bind(connection_id)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(old.is_some_and(|s| s != AgentStatus::Offline.as_str()))
+}
+
 impl AgentStore for SqliteAgentStore {
-    fn register<'a>(
+    fn write_batch<'a>(
         &'a self,
-        request: &'a RegisterAgent,
+        batch: &'a WriteBatch,
         windows: &'a Windows,
-        admit: &'a Admit<'a>,
-    ) -> BoxFuture<'a, Result<RegisterOutcome, StoreError>> {
-        self.register_inner(request, windows, admit).boxed()
+        admit: &'a Admit,
+    ) -> BoxFuture<'a, Result<BatchOutcome, StoreError>> {
+        self.write_batch_inner(batch, windows, admit).boxed()
     }
 
     fn is_live_device<'a>(
@@ -255,36 +310,6 @@ impl AgentStore for SqliteAgentStore {
             .fetch_one(&self.pool)
             .await?;
             Ok(live)
-        }
-        .boxed()
-    }
-
-    fn unregister<'a>(
-        &'a self,
-        agent_id: &'a str,
-        connection_id: &'a str,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        async move {
-            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-            let old: Option<String> = sqlx::query_scalar(
-                "SELECT status FROM agents WHERE agent_id = ?1 AND connection_id = ?2",
-            )
-            .bind(agent_id)
-            .bind(connection_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if old.is_some() {
-                sqlx::query(
-                    "UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
-                     WHERE agent_id = ?1 AND connection_id = ?2",
-                )
-                .bind(agent_id)
-                .bind(connection_id)
-                .execute(&mut *tx)
-                .await?;
-            }
-            tx.commit().await?;
-            Ok(old.is_some_and(|s| s != AgentStatus::Offline.as_str()))
         }
         .boxed()
     }
