@@ -149,7 +149,8 @@ async fn worker(
                 ),
                 &ctx.progress,
             ),
-            _ if ctx.expired() => {
+            // The run's end came before the task's: it was cut short, not slow.
+            _ if give_up == ctx.deadline || ctx.expired() => {
                 outcome.stopped = true;
                 break;
             }
