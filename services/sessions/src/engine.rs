@@ -29,8 +29,8 @@ use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, T
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::machine::{Machine, Refusal};
+pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::settings::SessionSettings;
 use crate::store::{OutFrame, StoreError, TaskRow, TaskStore, now_ms};
 
@@ -576,7 +576,9 @@ impl Engine {
             match publish.await {
                 Ok(()) => sent.push(frame.msg_id),
                 // The outbox sweeper re-sends it.
-                Err(e) => tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}"),
+                Err(e) => {
+                    tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
+                }
             }
         }
         self.mark_published(sent);
@@ -626,7 +628,9 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
                     echo_name,
                     Err(ErrorBody::new(
                         ErrorCode::ProtocolError,
-                        format!("task frame: field `metadata.steps`: must be a list of lists of Commands: {e}"),
+                        format!(
+                            "task frame: field `metadata.steps`: must be a list of lists of Commands: {e}"
+                        ),
                     )),
                 );
             }
@@ -772,7 +776,9 @@ pub async fn run_applier(
                     }
                 }
                 Err(e) => {
-                    tracing::error!("a batch of changes could not be written, giving up the leadership: {e}");
+                    tracing::error!(
+                        "a batch of changes could not be written, giving up the leadership: {e}"
+                    );
                     let error = e.to_string();
                     for waiter in waiters.drain(..) {
                         waiter.fail(&error);

@@ -293,9 +293,11 @@ impl Machine {
             let entry = self.executors.entry(executor.clone()).or_default();
             match task.state() {
                 TaskState::Submitted => {
-                    entry
-                        .queued
-                        .insert((Reverse(task.priority), task.created_ms, task.task_id.clone()));
+                    entry.queued.insert((
+                        Reverse(task.priority),
+                        task.created_ms,
+                        task.task_id.clone(),
+                    ));
                 }
                 state if !state.is_terminal() => entry.running += 1,
                 _ => {}
@@ -467,7 +469,10 @@ impl Machine {
         }
         self.release(&executor.agent_id);
         self.tasks.get(&task_id).cloned().ok_or_else(|| {
-            Refusal::now(ErrorCode::Internal, format!("task '{task_id}' vanished while it was started"))
+            Refusal::now(
+                ErrorCode::Internal,
+                format!("task '{task_id}' vanished while it was started"),
+            )
         })
     }
 
@@ -653,7 +658,11 @@ impl Machine {
             .tasks
             .values()
             .filter(|t| t.needs_plan && t.planner == "remote" && !t.state().is_terminal())
-            .filter(|t| self.planning.get(&t.task_id).is_none_or(|at| *at < now - wait))
+            .filter(|t| {
+                self.planning
+                    .get(&t.task_id)
+                    .is_none_or(|at| *at < now - wait)
+            })
             .map(plan_request)
             .collect();
         for request in stalled {
@@ -818,7 +827,11 @@ impl Machine {
             return;
         };
         let mut ids: Vec<String> = ids.iter().cloned().collect();
-        ids.sort_by_key(|id| self.tasks.get(id).map(|t| (t.created_ms, t.task_id.clone())));
+        ids.sort_by_key(|id| {
+            self.tasks
+                .get(id)
+                .map(|t| (t.created_ms, t.task_id.clone()))
+        });
         for id in ids {
             let _ = self.with_task(&id, |core, task| {
                 if task.state().is_terminal() {
@@ -877,7 +890,11 @@ impl Machine {
 
     /// Sends commands into a requester-driven task; returns the command's `response_id` and
     /// the sequence number of its `command_sent` event. One command at a time.
-    pub fn send_commands(&mut self, task_id: &str, step: PlanStep) -> Result<(String, i64), Refusal> {
+    pub fn send_commands(
+        &mut self,
+        task_id: &str,
+        step: PlanStep,
+    ) -> Result<(String, i64), Refusal> {
         self.with_task(task_id, |core, task| {
             Self::driven_check(task)?;
             if task.state() == TaskState::Submitted {
@@ -1010,9 +1027,11 @@ impl Machine {
                 if was_running {
                     entry.running -= 1;
                 } else {
-                    entry
-                        .queued
-                        .remove(&(Reverse(task.priority), task.created_ms, task.task_id.clone()));
+                    entry.queued.remove(&(
+                        Reverse(task.priority),
+                        task.created_ms,
+                        task.task_id.clone(),
+                    ));
                 }
             }
             self.release(&executor);

@@ -452,7 +452,11 @@ async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), sq
         .bind(e.iter().map(|e| e.at_ms).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.kind.clone()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.state.clone()).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| json_text(e.data.as_ref())).collect::<Vec<_>>())
+        .bind(
+            e.iter()
+                .map(|e| json_text(e.data.as_ref()))
+                .collect::<Vec<_>>(),
+        )
         .execute(&mut *tx)
         .await?;
     }
@@ -504,7 +508,12 @@ impl Writer {
         }
         match self {
             Writer::Pg(conn) => Ok(write_pg(conn, batch).await?),
-            Writer::Lite(conn) => write_batch!(conn, sqlx::Sqlite, batch, "DELETE FROM processed_messages WHERE at_ms < ?1"),
+            Writer::Lite(conn) => write_batch!(
+                conn,
+                sqlx::Sqlite,
+                batch,
+                "DELETE FROM processed_messages WHERE at_ms < ?1"
+            ),
         }
     }
 
@@ -660,7 +669,13 @@ impl TaskStore {
         let task_id = task_id.to_owned();
         self.read(move |t| {
             Box::pin(async move {
-                let row: Option<(String,)> = fetch!(t, (String,), "SELECT requester_id FROM tasks WHERE task_id = $1", [task_id], fetch_optional)?;
+                let row: Option<(String,)> = fetch!(
+                    t,
+                    (String,),
+                    "SELECT requester_id FROM tasks WHERE task_id = $1",
+                    [task_id],
+                    fetch_optional
+                )?;
                 Ok(row.map(|r| r.0))
             })
         })
@@ -676,10 +691,12 @@ impl TaskStore {
         for chunk in task_ids.chunks(ROWS_PER_STATEMENT) {
             let rows: Vec<(String, String)> = match &self.db {
                 Database::Postgres(pool) => {
-                    sqlx::query_as("SELECT task_id, requester_id FROM tasks WHERE task_id = ANY($1)")
-                        .bind(chunk)
-                        .fetch_all(pool)
-                        .await?
+                    sqlx::query_as(
+                        "SELECT task_id, requester_id FROM tasks WHERE task_id = ANY($1)",
+                    )
+                    .bind(chunk)
+                    .fetch_all(pool)
+                    .await?
                 }
                 Database::Sqlite(pool) => {
                     let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
@@ -703,7 +720,13 @@ impl TaskStore {
         let msg_id = msg_id.to_owned();
         self.read(move |t| {
             Box::pin(async move {
-                let row: Option<(i64,)> = fetch!(t, (i64,), "SELECT 1 FROM processed_messages WHERE msg_id = $1", [msg_id], fetch_optional)?;
+                let row: Option<(i64,)> = fetch!(
+                    t,
+                    (i64,),
+                    "SELECT 1 FROM processed_messages WHERE msg_id = $1",
+                    [msg_id],
+                    fetch_optional
+                )?;
                 Ok(row.is_some())
             })
         })
@@ -765,7 +788,10 @@ mod tests {
             let chunks = sized_chunks(&rows);
             let joined: Vec<usize> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
             assert_eq!(joined, rows, "n = {n}");
-            assert!(chunks.iter().all(|c| [256, 32, 4, 1].contains(&c.len())), "n = {n}");
+            assert!(
+                chunks.iter().all(|c| [256, 32, 4, 1].contains(&c.len())),
+                "n = {n}"
+            );
         }
         assert_eq!(sized_chunks(&[0u8; 100]).len(), 4, "32 × 3 + 4");
     }

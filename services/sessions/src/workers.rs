@@ -14,7 +14,9 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::engine::{Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame};
+use crate::engine::{
+    Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
+};
 use crate::store::now_ms;
 use aip_bus::Delivery;
 use proto_schemas::ClientMessageType;
@@ -180,14 +182,20 @@ async fn settle(
         Err(Failure::Refused(refusal)) => {
             if let Some(inbound) = &inbound {
                 if let Err(e) = engine.refuse_frame(inbound, &msg_id, refusal).await {
-                    tracing::warn!(attempt = delivery.delivered, "refusal not sent, will retry: {e}");
+                    tracing::warn!(
+                        attempt = delivery.delivered,
+                        "refusal not sent, will retry: {e}"
+                    );
                     let _ = delivery.nak(Duration::from_millis(500)).await;
                     return;
                 }
             }
         }
         Err(Failure::Store(e)) => {
-            tracing::warn!(attempt = delivery.delivered, "frame not applied, will retry: {e}");
+            tracing::warn!(
+                attempt = delivery.delivered,
+                "frame not applied, will retry: {e}"
+            );
             let _ = delivery.nak(Duration::from_millis(500)).await;
             return;
         }
@@ -200,7 +208,10 @@ async fn settle(
 /// Reads one delivery: its message id, and its event (through the blob store for a large
 /// body). `None` when it was settled here: an unreadable event is dropped, a body not
 /// readable yet is nak'ed.
-async fn read_event(engine: &Engine, delivery: Delivery) -> Option<(Delivery, String, GatewayEvent)> {
+async fn read_event(
+    engine: &Engine,
+    delivery: Delivery,
+) -> Option<(Delivery, String, GatewayEvent)> {
     let msg_id = delivery
         .message
         .headers
@@ -210,7 +221,10 @@ async fn read_event(engine: &Engine, delivery: Delivery) -> Option<(Delivery, St
     let payload = match aip_bus::payload_of(engine.bus().as_ref(), &delivery.message).await {
         Ok(payload) => payload,
         Err(e) => {
-            tracing::warn!(attempt = delivery.delivered, "large frame not readable yet, will retry: {e}");
+            tracing::warn!(
+                attempt = delivery.delivered,
+                "large frame not readable yet, will retry: {e}"
+            );
             let _ = delivery.nak(Duration::from_secs(1)).await;
             return None;
         }
@@ -227,7 +241,11 @@ async fn read_event(engine: &Engine, delivery: Delivery) -> Option<(Delivery, St
 
 /// Asks the remote planner for each step it is given, at most `concurrency` at once, and
 /// hands the answers to the applier.
-pub async fn run_planner(engine: Engine, mut plans: mpsc::Receiver<PlanRequest>, concurrency: usize) {
+pub async fn run_planner(
+    engine: Engine,
+    mut plans: mpsc::Receiver<PlanRequest>,
+    concurrency: usize,
+) {
     let permits = Arc::new(Semaphore::new(concurrency.max(1)));
     while let Some(request) = plans.recv().await {
         let Ok(permit) = permits.clone().acquire_owned().await else {

@@ -45,7 +45,9 @@ async fn replica(stack: &Stack) -> Replica {
 }
 
 async fn readyz(base: &str) -> (u16, String) {
-    let response = reqwest::get(format!("{base}/readyz")).await.expect("readyz");
+    let response = reqwest::get(format!("{base}/readyz"))
+        .await
+        .expect("readyz");
     let status = response.status().as_u16();
     (status, response.text().await.unwrap_or_default())
 }
@@ -114,7 +116,10 @@ async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
     assert_eq!(status, 503, "{refused}");
     assert_eq!(refused["error_code"], "UNAVAILABLE", "{refused}");
     assert!(
-        refused["detail"].as_str().unwrap_or_default().contains("standby"),
+        refused["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("standby"),
         "{refused}"
     );
 
