@@ -76,7 +76,7 @@ pub(crate) enum Op {
     Frame {
         inbound: Box<InboundFrame>,
         msg_id: String,
-        task: Option<TaskFrame>,
+        task: Option<Box<TaskFrame>>,
         reply: Reply<()>,
     },
     /// A client's connection ended.
@@ -113,7 +113,9 @@ pub(crate) enum Op {
     },
 }
 
-/// A reply to send once the batch that holds its change has committed.
+/// A reply to send once the batch that holds its change has committed. Short-lived (one per
+/// op, dropped at the commit), so its size matters less than an allocation per op.
+#[allow(clippy::large_enum_variant)]
 enum Waiter {
     Unit(Reply<()>, Result<(), Refusal>),
     Task(Reply<TaskRow>, Result<TaskRow, Refusal>),
@@ -725,7 +727,7 @@ pub async fn run_applier(
                     let now = now_ms();
                     core.expire_due(now);
                     core.replan_stalled(now);
-                    if rounds % 120 == 0 {
+                    if rounds.is_multiple_of(120) {
                         core.prune_processed(now - 600_000);
                     }
                 }
@@ -810,7 +812,7 @@ fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
             task,
             reply,
         } => {
-            let result = core.frame(&inbound, &msg_id, task);
+            let result = core.frame(&inbound, &msg_id, task.map(|t| *t));
             waiters.push(Waiter::Unit(reply, result));
         }
         Op::Closed { client_id, reply } => {

@@ -164,13 +164,13 @@ async fn list_tasks(
     State(engine): State<Engine>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    if let Some(state) = &q.state {
-        if proto_schemas::sessions::TaskState::from_wire(state).is_none() {
-            return Err(ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!("unknown state {state:?}"),
-            ));
-        }
+    if let Some(state) = &q.state
+        && proto_schemas::sessions::TaskState::from_wire(state).is_none()
+    {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("unknown state {state:?}"),
+        ));
     }
     let cursor = match &q.cursor {
         None => None,

@@ -258,12 +258,10 @@ impl Machine {
     pub fn committed(&mut self, pending: &Pending) {
         let now = now_ms();
         for id in &pending.ended {
-            if let Some(task) = self.tasks.get(id) {
-                if task.state().is_terminal() {
-                    if let Some(task) = self.tasks.remove(id) {
-                        self.tombstones.add(task.task_id, task.requester_id, now);
-                    }
-                }
+            if self.tasks.get(id).is_some_and(|t| t.state().is_terminal())
+                && let Some(task) = self.tasks.remove(id)
+            {
+                self.tombstones.add(task.task_id, task.requester_id, now);
             }
         }
     }
@@ -688,10 +686,10 @@ impl Machine {
                         "task frame was not prepared",
                     ));
                 };
-                if let Some(name) = &task.echo_name {
-                    if self.echo(inbound, name, msg_id) {
-                        return Ok(());
-                    }
+                if let Some(name) = &task.echo_name
+                    && self.echo(inbound, name, msg_id)
+                {
+                    return Ok(());
                 }
                 let prepared = task.start.map_err(Refusal::Now)?;
                 self.submit(prepared, Some(msg_id)).map(|_| ())

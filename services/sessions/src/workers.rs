@@ -91,7 +91,7 @@ pub async fn consume_frames(
                     let op = Op::Frame {
                         inbound: Box::new(inbound.clone()),
                         msg_id: msg_id.clone(),
-                        task,
+                        task: task.map(Box::new),
                         reply,
                     };
                     (op, Some(inbound))
@@ -180,15 +180,15 @@ async fn settle(
     match outcome {
         Ok(()) => {}
         Err(Failure::Refused(refusal)) => {
-            if let Some(inbound) = &inbound {
-                if let Err(e) = engine.refuse_frame(inbound, &msg_id, refusal).await {
-                    tracing::warn!(
-                        attempt = delivery.delivered,
-                        "refusal not sent, will retry: {e}"
-                    );
-                    let _ = delivery.nak(Duration::from_millis(500)).await;
-                    return;
-                }
+            if let Some(inbound) = &inbound
+                && let Err(e) = engine.refuse_frame(inbound, &msg_id, refusal).await
+            {
+                tracing::warn!(
+                    attempt = delivery.delivered,
+                    "refusal not sent, will retry: {e}"
+                );
+                let _ = delivery.nak(Duration::from_millis(500)).await;
+                return;
             }
         }
         Err(Failure::Store(e)) => {
@@ -386,20 +386,20 @@ pub fn new_task_from_request(
     if request.description.trim().is_empty() {
         return Err(invalid("`description` must not be empty".into()));
     }
-    if let Some(name) = &request.task_name {
-        if !crate::engine::valid_task_name(name) {
-            return Err(invalid(format!(
-                "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.' (got {name:?})"
-            )));
-        }
+    if let Some(name) = &request.task_name
+        && !crate::engine::valid_task_name(name)
+    {
+        return Err(invalid(format!(
+            "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.' (got {name:?})"
+        )));
     }
-    if let Some(id) = &request.task_id {
-        if id.is_empty() || id.len() > proto_schemas::MAX_ID_BYTES {
-            return Err(invalid(format!(
-                "`task_id` must be 1 to {} bytes",
-                proto_schemas::MAX_ID_BYTES
-            )));
-        }
+    if let Some(id) = &request.task_id
+        && (id.is_empty() || id.len() > proto_schemas::MAX_ID_BYTES)
+    {
+        return Err(invalid(format!(
+            "`task_id` must be 1 to {} bytes",
+            proto_schemas::MAX_ID_BYTES
+        )));
     }
     let placement = match (&request.target_id, request.required_capabilities.is_empty()) {
         (Some(target), _) => Placement::Target(target.clone()),
