@@ -1072,3 +1072,169 @@ fn plan_request(task: &TaskRow) -> PlanRequest {
         last_results,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto_schemas::registry::AgentStatus;
+
+    fn device(id: &str) -> AgentRecord {
+        AgentRecord {
+            agent_id: id.to_owned(),
+            client_type: ClientType::Device,
+            status: AgentStatus::Available,
+            platform: Platform::Linux,
+            capabilities: Vec::new(),
+            tools: Vec::new(),
+            system_info: None,
+            metadata: None,
+            extensions: Vec::new(),
+            target_id: None,
+            gateway_id: "gw".to_owned(),
+            connection_id: "c".to_owned(),
+            load: 0,
+            connected_at: chrono::Utc::now(),
+            last_seen: chrono::Utc::now(),
+        }
+    }
+
+    fn task(id: &str, executor: &str, priority: i32, steps: usize) -> Prepared {
+        let command: Command = serde_json::from_value(
+            json!({ "tool_name": "echo", "tool_type": "action", "parameters": {} }),
+        )
+        .expect("command");
+        let step = vec![command];
+        Prepared {
+            new: NewTask {
+                task_id: Some(id.to_owned()),
+                task_name: None,
+                request: "r".to_owned(),
+                data: None,
+                requester: Requester::Rest("me".to_owned()),
+                placement: Placement::Target(executor.to_owned()),
+                plan: Plan::Scripted(vec![step; steps]),
+                priority,
+                callback_url: None,
+                timeout_secs: None,
+                ufo_dispatch: false,
+            },
+            candidates: vec![device(executor)],
+            existing_owner: None,
+        }
+    }
+
+    fn machine() -> Machine {
+        Machine::new(SessionSettings::default(), Subjects::default(), Vec::new())
+    }
+
+    /// Commits the open batch, as the applier does after a successful write.
+    fn commit(m: &mut Machine) -> Pending {
+        let pending = m.take();
+        m.committed(&pending);
+        pending
+    }
+
+    #[test]
+    fn one_task_runs_per_device_and_the_queue_goes_by_priority() {
+        let mut m = machine();
+        let first = m.submit(task("a", "d", 0, 1), None).expect("a");
+        assert_eq!(
+            first.state, "working",
+            "a scripted first step is sent at once"
+        );
+        m.submit(task("low", "d", 1, 1), None).expect("low");
+        m.submit(task("high", "d", 5, 1), None).expect("high");
+        commit(&mut m);
+        assert_eq!(m.tasks["low"].state, "submitted");
+        assert_eq!(m.tasks["high"].state, "submitted");
+
+        m.cancel("a", "test").expect("cancel");
+        let pending = commit(&mut m);
+        assert!(
+            !m.tasks.contains_key("a"),
+            "an ended task leaves memory once committed"
+        );
+        assert_eq!(
+            m.tasks["high"].state, "working",
+            "the higher priority goes next"
+        );
+        assert_eq!(m.tasks["low"].state, "submitted");
+        let kinds: Vec<&str> = pending
+            .batch
+            .events
+            .iter()
+            .map(|e| e.kind.as_str())
+            .collect();
+        assert_eq!(kinds, ["canceled", "dispatched", "command_sent"]);
+    }
+
+    #[test]
+    fn events_are_gap_free_and_every_changed_task_is_written_once() {
+        let mut m = machine();
+        m.submit(task("t", "d", 0, 2), None).expect("t");
+        m.cancel("t", "x").expect("cancel");
+        let pending = commit(&mut m);
+        let seqs: Vec<i64> = pending.batch.events.iter().map(|e| e.seq).collect();
+        assert_eq!(
+            seqs,
+            [1, 2, 3, 4],
+            "submitted, dispatched, command_sent, canceled"
+        );
+        assert_eq!(pending.batch.tasks.len(), 1);
+        assert_eq!(pending.batch.tasks[0].next_seq, 5);
+        assert_eq!(pending.batch.tasks[0].state, "canceled");
+    }
+
+    #[test]
+    fn an_id_stays_taken_after_its_task_ended_and_left_memory() {
+        let mut m = machine();
+        m.submit(task("x", "d", 0, 1), None).expect("x");
+        m.closed("d");
+        commit(&mut m);
+        assert!(m.tasks.is_empty());
+        let again = m.submit(task("x", "d", 0, 1), None);
+        assert!(
+            matches!(&again, Err(Refusal::Now(body)) if body.error_code == ErrorCode::Conflict),
+            "{again:?}"
+        );
+        // From a frame, a refusal that may be a redelivery is checked against the frames
+        // applied before it is sent.
+        let again = m.submit(task("x", "d", 0, 1), Some("conn:7"));
+        assert!(matches!(again, Err(Refusal::UnlessSeen(_, id)) if id == "conn:7"));
+    }
+
+    #[test]
+    fn a_full_leader_refuses_new_tasks() {
+        let settings = SessionSettings {
+            max_live_tasks: 1,
+            ..SessionSettings::default()
+        };
+        let mut m = Machine::new(settings, Subjects::default(), Vec::new());
+        m.submit(task("one", "d1", 0, 1), None).expect("one");
+        let refused = m.submit(task("two", "d2", 0, 1), None);
+        assert!(
+            matches!(&refused, Err(Refusal::Now(body)) if body.error_code == ErrorCode::Unavailable),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn a_new_leader_rebuilds_the_queues_from_the_live_rows() {
+        // What a new leader rebuilds from the database: live rows only.
+        let mut m = machine();
+        m.submit(task("a", "d", 0, 1), None).expect("a");
+        m.submit(task("b", "d", 3, 1), None).expect("b");
+        let pending = commit(&mut m);
+        let mut reloaded = Machine::new(
+            SessionSettings::default(),
+            Subjects::default(),
+            pending.batch.tasks.clone(),
+        );
+        reloaded.cancel("a", "x").expect("cancel");
+        commit(&mut reloaded);
+        assert_eq!(
+            reloaded.tasks["b"].state, "working",
+            "the queued task runs next"
+        );
+    }
+}
