@@ -710,26 +710,34 @@ pub async fn run_applier(
         engine.leading.store(true, Ordering::Release);
         let term = stop.child_token();
         on_lead(term.clone());
-        let mut tick = tokio::time::interval(Duration::from_millis(500));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Deadlines and lost planner requests are looked at every half second, also under a
+        // load that never lets the applier wait.
+        let tick = Duration::from_millis(500);
+        let mut next_tick = tokio::time::Instant::now() + tick;
         let mut rounds: u64 = 0;
         let mut waiters: Vec<Waiter> = Vec::new();
         loop {
-            tokio::select! {
-                biased;
-                () = stop.cancelled() => {}
-                op = ops.recv() => match op {
-                    Some(op) => apply_op(&mut core, op, &mut waiters),
-                    None => break 'lead,
-                },
-                _ = tick.tick() => {
-                    rounds += 1;
-                    let now = now_ms();
-                    core.expire_due(now);
-                    core.replan_stalled(now);
-                    if rounds.is_multiple_of(120) {
-                        core.prune_processed(now - 600_000);
-                    }
+            // Wait only when nothing is left to write (ops applied while the last group was
+            // written are written at once).
+            if waiters.is_empty() && !core.has_changes() {
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => {}
+                    op = ops.recv() => match op {
+                        Some(op) => apply_op(&mut core, op, &mut waiters),
+                        None => break 'lead,
+                    },
+                    () = tokio::time::sleep_until(next_tick) => {}
+                }
+            }
+            if tokio::time::Instant::now() >= next_tick {
+                next_tick = tokio::time::Instant::now() + tick;
+                rounds += 1;
+                let now = now_ms();
+                core.expire_due(now);
+                core.replan_stalled(now);
+                if rounds.is_multiple_of(120) {
+                    core.prune_processed(now - 600_000);
                 }
             }
             while core.changes() < engine.settings.max_batch {
@@ -752,12 +760,32 @@ pub async fn run_applier(
             }
             let mut pending = core.take();
             let started = std::time::Instant::now();
-            let written = writer.write(&pending.batch).await;
+            // While the group is written, ops that arrive are applied to the next group, so
+            // that one is ready to write the moment this one has committed.
+            let mut next_waiters: Vec<Waiter> = Vec::new();
+            let mut channel_closed = false;
+            let written = {
+                let write = writer.write(&pending.batch);
+                tokio::pin!(write);
+                loop {
+                    tokio::select! {
+                        biased;
+                        written = &mut write => break written,
+                        op = ops.recv(), if !channel_closed && core.changes() < engine.settings.max_batch => {
+                            match op {
+                                Some(op) => apply_op(&mut core, op, &mut next_waiters),
+                                None => channel_closed = true,
+                            }
+                        }
+                    }
+                }
+            };
             tracing::debug!(
                 replies = waiters.len(),
                 tasks = pending.batch.tasks.len(),
                 events = pending.batch.events.len(),
                 frames = pending.batch.outbox.len(),
+                applied_meanwhile = next_waiters.len(),
                 write_us = started.elapsed().as_micros() as u64,
                 "batch written"
             );
@@ -767,6 +795,7 @@ pub async fn run_applier(
                     for waiter in waiters.drain(..) {
                         waiter.succeed();
                     }
+                    waiters = next_waiters;
                     let frames = std::mem::take(&mut pending.batch.outbox);
                     if !frames.is_empty() && frames_tx.send(frames).await.is_err() {
                         break 'lead;
@@ -776,13 +805,17 @@ pub async fn run_applier(
                             tracing::warn!("planning queue full; the task is planned again later");
                         }
                     }
+                    if channel_closed {
+                        break 'lead;
+                    }
                 }
                 Err(e) => {
                     tracing::error!(
                         "a batch of changes could not be written, giving up the leadership: {e}"
                     );
+                    // The group applied meanwhile built on this one: it fails too.
                     let error = e.to_string();
-                    for waiter in waiters.drain(..) {
+                    for waiter in waiters.drain(..).chain(next_waiters) {
                         waiter.fail(&error);
                     }
                     engine.leading.store(false, Ordering::Release);
@@ -792,9 +825,7 @@ pub async fn run_applier(
                     continue 'lead;
                 }
             }
-            if stop.is_cancelled() {
-                break 'lead;
-            }
+            // On stop, what was applied meanwhile is still written before the applier ends.
         }
     }
     engine.leading.store(false, Ordering::Release);
