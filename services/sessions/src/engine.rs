@@ -685,9 +685,10 @@ pub async fn run_applier(
         plans_rx,
         engine.settings.max_in_flight,
     ));
+    let mut spare = None;
     'lead: loop {
         let mut writer = loop {
-            match engine.store.try_lead(&lock_name).await {
+            match engine.store.try_lead(&lock_name, &mut spare).await {
                 Ok(Some(w)) => break w,
                 Ok(None) => {}
                 Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),

@@ -550,12 +550,20 @@ impl TaskStore {
 
     /// Tries to become the leader: the one replica that applies changes. On PostgreSQL this
     /// takes a session-level advisory lock named after `name` on a connection of its own, and
-    /// returns `None` while another replica holds it; on SQLite (one process) it always
-    /// succeeds.
-    pub async fn try_lead(&self, name: &str) -> Result<Option<Writer>, StoreError> {
+    /// returns `None` while another replica holds it, keeping that connection in `spare` for
+    /// the next try (a standby does not open a connection per try). On SQLite (one process)
+    /// it always succeeds.
+    pub async fn try_lead(
+        &self,
+        name: &str,
+        spare: &mut Option<sqlx::PgConnection>,
+    ) -> Result<Option<Writer>, StoreError> {
         Ok(match &self.db {
             Database::Postgres(pool) => {
-                let mut conn = pool.acquire().await?.detach();
+                let mut conn = match spare.take() {
+                    Some(conn) => conn,
+                    None => pool.acquire().await?.detach(),
+                };
                 let (locked,): (bool,) =
                     sqlx::query_as("SELECT pg_try_advisory_lock(hashtext($1))")
                         .bind(name)
@@ -564,7 +572,7 @@ impl TaskStore {
                 if locked {
                     Some(Writer::Pg(conn))
                 } else {
-                    let _ = sqlx::Connection::close(conn).await;
+                    *spare = Some(conn);
                     None
                 }
             }
