@@ -265,44 +265,44 @@ pub enum Writer {
     Lite(sqlx::SqliteConnection),
 }
 
-macro_rules! write_batch {
-    ($conn:expr, $db:ty, $batch:expr, $prune_sql:expr) => {{
-        let batch = $batch;
-        let mut tx = sqlx::Connection::begin($conn).await?;
-        for rows in sized_chunks(&batch.tasks) {
-            let mut q = sqlx::QueryBuilder::<$db>::new(format!("INSERT INTO tasks ({TASK_COLUMNS}) "));
-            q.push_values(rows, |mut b, t| {
-                b.push_bind(t.task_id.clone())
-                    .push_bind(t.task_name.clone())
-                    .push_bind(t.state.clone())
-                    .push_bind(t.request.clone())
-                    .push_bind(t.data.clone())
-                    .push_bind(t.requester_kind.clone())
-                    .push_bind(t.requester_id.clone())
-                    .push_bind(t.requester_type.clone())
-                    .push_bind(t.executor_id.clone())
-                    .push_bind(t.executor_platform.clone())
-                    .push_bind(t.required_capabilities.clone())
-                    .push_bind(t.planner.clone())
-                    .push_bind(t.steps.clone())
-                    .push_bind(t.step)
-                    .push_bind(t.pending_response_id.clone())
-                    .push_bind(t.needs_plan)
-                    .push_bind(t.ufo_dispatch)
-                    .push_bind(t.awaiting_echo)
-                    .push_bind(t.history.clone())
-                    .push_bind(t.priority)
-                    .push_bind(t.result.clone())
-                    .push_bind(t.error.clone())
-                    .push_bind(t.error_code.clone())
-                    .push_bind(t.callback_url.clone())
-                    .push_bind(t.task_deadline_ms)
-                    .push_bind(t.deadline_ms)
-                    .push_bind(t.created_ms)
-                    .push_bind(t.updated_ms)
-                    .push_bind(t.next_seq);
-            });
-            q.push(
+/// Writes a batch on SQLite with multi-row statements of a few fixed sizes.
+async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    for rows in sized_chunks(&batch.tasks) {
+        let mut q =
+            sqlx::QueryBuilder::<sqlx::Sqlite>::new(format!("INSERT INTO tasks ({TASK_COLUMNS}) "));
+        q.push_values(rows, |mut b, t| {
+            b.push_bind(t.task_id.clone())
+                .push_bind(t.task_name.clone())
+                .push_bind(t.state.clone())
+                .push_bind(t.request.clone())
+                .push_bind(t.data.clone())
+                .push_bind(t.requester_kind.clone())
+                .push_bind(t.requester_id.clone())
+                .push_bind(t.requester_type.clone())
+                .push_bind(t.executor_id.clone())
+                .push_bind(t.executor_platform.clone())
+                .push_bind(t.required_capabilities.clone())
+                .push_bind(t.planner.clone())
+                .push_bind(t.steps.clone())
+                .push_bind(t.step)
+                .push_bind(t.pending_response_id.clone())
+                .push_bind(t.needs_plan)
+                .push_bind(t.ufo_dispatch)
+                .push_bind(t.awaiting_echo)
+                .push_bind(t.history.clone())
+                .push_bind(t.priority)
+                .push_bind(t.result.clone())
+                .push_bind(t.error.clone())
+                .push_bind(t.error_code.clone())
+                .push_bind(t.callback_url.clone())
+                .push_bind(t.task_deadline_ms)
+                .push_bind(t.deadline_ms)
+                .push_bind(t.created_ms)
+                .push_bind(t.updated_ms)
+                .push_bind(t.next_seq);
+        });
+        q.push(
                 " ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, executor_id = excluded.executor_id, \
                  executor_platform = excluded.executor_platform, step = excluded.step, \
                  pending_response_id = excluded.pending_response_id, needs_plan = excluded.needs_plan, \
@@ -310,61 +310,62 @@ macro_rules! write_batch {
                  error = excluded.error, error_code = excluded.error_code, deadline_ms = excluded.deadline_ms, \
                  updated_ms = excluded.updated_ms, next_seq = excluded.next_seq",
             );
-            q.build().execute(&mut *tx).await?;
+        q.build().execute(&mut *tx).await?;
+    }
+    for rows in sized_chunks(&batch.events) {
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) ",
+        );
+        q.push_values(rows, |mut b, e| {
+            b.push_bind(e.task_id.clone())
+                .push_bind(e.seq)
+                .push_bind(e.at_ms)
+                .push_bind(e.kind.clone())
+                .push_bind(e.state.clone())
+                .push_bind(e.data.clone().map(Json));
+        });
+        q.build().execute(&mut *tx).await?;
+    }
+    let now = now_ms();
+    for ids in sized_chunks(&batch.processed) {
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            "INSERT INTO processed_messages (msg_id, at_ms) ",
+        );
+        q.push_values(ids, |mut b, id| {
+            b.push_bind(id.clone()).push_bind(now);
+        });
+        q.push(" ON CONFLICT (msg_id) DO NOTHING");
+        q.build().execute(&mut *tx).await?;
+    }
+    for rows in sized_chunks(&batch.outbox) {
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) ",
+        );
+        q.push_values(rows, |mut b, f| {
+            b.push_bind(f.msg_id.clone())
+                .push_bind(f.subject.clone())
+                .push_bind(f.payload.clone())
+                .push_bind(now);
+        });
+        q.build().execute(&mut *tx).await?;
+    }
+    for ids in sized_chunks(&batch.published) {
+        let mut q =
+            sqlx::QueryBuilder::<sqlx::Sqlite>::new("DELETE FROM task_outbox WHERE msg_id IN (");
+        let mut list = q.separated(", ");
+        for id in ids {
+            list.push_bind(id.clone());
         }
-        for rows in sized_chunks(&batch.events) {
-            let mut q = sqlx::QueryBuilder::<$db>::new(
-                "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) ",
-            );
-            q.push_values(rows, |mut b, e| {
-                b.push_bind(e.task_id.clone())
-                    .push_bind(e.seq)
-                    .push_bind(e.at_ms)
-                    .push_bind(e.kind.clone())
-                    .push_bind(e.state.clone())
-                    .push_bind(e.data.clone().map(Json));
-            });
-            q.build().execute(&mut *tx).await?;
-        }
-        let now = now_ms();
-        for ids in sized_chunks(&batch.processed) {
-            let mut q = sqlx::QueryBuilder::<$db>::new("INSERT INTO processed_messages (msg_id, at_ms) ");
-            q.push_values(ids, |mut b, id| {
-                b.push_bind(id.clone()).push_bind(now);
-            });
-            q.push(" ON CONFLICT (msg_id) DO NOTHING");
-            q.build().execute(&mut *tx).await?;
-        }
-        for rows in sized_chunks(&batch.outbox) {
-            let mut q = sqlx::QueryBuilder::<$db>::new(
-                "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) ",
-            );
-            q.push_values(rows, |mut b, f| {
-                b.push_bind(f.msg_id.clone())
-                    .push_bind(f.subject.clone())
-                    .push_bind(f.payload.clone())
-                    .push_bind(now);
-            });
-            q.build().execute(&mut *tx).await?;
-        }
-        for ids in sized_chunks(&batch.published) {
-            let mut q = sqlx::QueryBuilder::<$db>::new("DELETE FROM task_outbox WHERE msg_id IN (");
-            let mut list = q.separated(", ");
-            for id in ids {
-                list.push_bind(id.clone());
-            }
-            q.push(")");
-            q.build().execute(&mut *tx).await?;
-        }
-        if let Some(before) = batch.prune_processed_before {
-            sqlx::query($prune_sql)
+        q.push(")");
+        q.build().execute(&mut *tx).await?;
+    }
+    if let Some(before) = batch.prune_processed_before {
+        sqlx::query("DELETE FROM processed_messages WHERE at_ms < ?1")
             .bind(before)
             .execute(&mut *tx)
             .await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }};
+    }
+    tx.commit().await
 }
 
 /// JSON as text, for binding into a `text[]` that the statement casts to `jsonb`.
@@ -508,12 +509,7 @@ impl Writer {
         }
         match self {
             Writer::Pg(conn) => Ok(write_pg(conn, batch).await?),
-            Writer::Lite(conn) => write_batch!(
-                conn,
-                sqlx::Sqlite,
-                batch,
-                "DELETE FROM processed_messages WHERE at_ms < ?1"
-            ),
+            Writer::Lite(conn) => Ok(write_sqlite(conn, batch).await?),
         }
     }
 
