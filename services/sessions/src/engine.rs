@@ -154,6 +154,8 @@ pub struct Engine {
     blobs: aip_bus::BlobStore,
     ops: mpsc::Sender<Op>,
     leading: Arc<AtomicBool>,
+    /// Another replica held the leadership when this one last tried.
+    standby: Arc<AtomicBool>,
     published: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
@@ -180,6 +182,7 @@ impl Engine {
             blobs,
             ops: tx,
             leading: Arc::new(AtomicBool::new(false)),
+            standby: Arc::new(AtomicBool::new(false)),
             published: Arc::default(),
         };
         (engine, Applier { ops: rx })
@@ -208,6 +211,12 @@ impl Engine {
     /// Whether this replica leads (applies changes).
     pub fn is_leading(&self) -> bool {
         self.leading.load(Ordering::Acquire)
+    }
+
+    /// Whether this replica found another one leading at its last try (false while it has
+    /// not tried yet, and while it leads).
+    pub fn is_standby(&self) -> bool {
+        self.standby.load(Ordering::Acquire)
     }
 
     /// Records outbox rows published outside the applier (the outbox sweeper).
@@ -690,7 +699,7 @@ pub async fn run_applier(
         let mut writer = loop {
             match engine.store.try_lead(&lock_name, &mut spare).await {
                 Ok(Some(w)) => break w,
-                Ok(None) => {}
+                Ok(None) => engine.standby.store(true, Ordering::Release),
                 Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),
             }
             tokio::select! {
@@ -708,6 +717,7 @@ pub async fn run_applier(
         };
         tracing::info!(live = live.len(), "leading: this replica applies changes");
         let mut core = Machine::new(engine.settings.clone(), engine.subjects.clone(), live);
+        engine.standby.store(false, Ordering::Release);
         engine.leading.store(true, Ordering::Release);
         let term = stop.child_token();
         on_lead(term.clone());

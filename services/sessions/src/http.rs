@@ -124,11 +124,12 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
 
 async fn ready(State(engine): State<Engine>) -> Response {
     if !engine.is_leading() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "standby: another replica leads (this one serves reads and takes over when the leader goes)",
-        )
-            .into_response();
+        let why = if engine.is_standby() {
+            "standby: another replica leads (this one serves reads and takes over when the leader goes)"
+        } else {
+            "starting: this replica has not taken the leadership yet"
+        };
+        return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
     }
     match engine.store.database().ping().await {
         Ok(()) => "ready".into_response(),

@@ -77,11 +77,19 @@ async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
     .expect("leader");
     let second = replica(&stack).await;
 
-    // The standby is not ready and refuses changes, saying why.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let (status, text) = readyz(&second.url).await;
-    assert_eq!(status, 503, "{text}");
-    assert!(text.contains("standby"), "{text}");
+    // Once it has tried to lead, the second replica is a standby: not ready, saying why.
+    let text = eventually("the second replica to find a leader", || async {
+        let (status, text) = readyz(&second.url).await;
+        (status == 503 && text.starts_with("standby")).then_some(text)
+    })
+    .await
+    .expect("standby");
+    assert!(text.contains("another replica leads"), "{text}");
+    assert_eq!(
+        readyz(&first.url).await.0,
+        200,
+        "the first replica still leads"
+    );
 
     let executed: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
     let mut devices = Vec::new();
