@@ -11,11 +11,11 @@ macro_rules! wire_enum {
     (
         $(#[$meta:meta])*
         pub enum $name:ident {
-            $( $(#[$vmeta:meta])* $variant:ident = $wire:literal, )+
+            $( $(#[$vmeta:meta])* $variant:ident = $wire:tt, )+
         }
     ) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
         pub enum $name {
             $( $(#[$vmeta])* #[serde(rename = $wire)] $variant, )+
         }

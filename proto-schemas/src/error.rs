@@ -9,9 +9,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 macro_rules! error_codes {
-    ($( $(#[$meta:meta])* $variant:ident = $wire:literal => $status:literal, )+) => {
+    ($( $(#[$meta:meta])* $variant:ident = $wire:tt => $status:literal, )+) => {
         /// A machine-readable error code. Its JSON form is the SCREAMING_SNAKE_CASE string.
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
         pub enum ErrorCode {
             $( $(#[$meta])* #[serde(rename = $wire)] $variant, )+
         }
@@ -85,7 +85,7 @@ impl std::fmt::Display for ErrorCode {
 ///
 /// `detail` is the human text (the key UFO's FastAPI server uses, so its clients read it);
 /// `error_code` is the machine-readable code.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct ErrorBody {
     /// What went wrong and, where it helps, what to do.
     pub detail: String,

@@ -12,7 +12,7 @@ use crate::frames::Command;
 use crate::version::V1;
 
 /// Ask for work to be done (REST `POST /api/tasks`, NATS submit).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct TaskRequest {
     /// Always 1.
     pub version: V1,

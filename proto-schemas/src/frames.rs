@@ -226,11 +226,12 @@ impl ServerMessage {
 }
 
 /// One tool call in a `command` frame: UFO's `Command`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct Command {
     /// The tool to run, e.g. `list_tools`, `click_input`.
     pub tool_name: String,
     /// The tool's arguments.
+    #[schema(value_type = Option<Object>)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parameters: Option<JsonObject>,
     /// `action` or `data_collection`; nothing else is valid.
@@ -242,8 +243,9 @@ pub struct Command {
 }
 
 /// The outcome of one Command: UFO's `Result` (renamed so it does not shadow Rust's).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 #[schemars(rename = "Result")]
+#[schema(as = Result)]
 pub struct ActionResult {
     /// Whether the command ran and how it went.
     #[serde(deserialize_with = "enum_from_string")]
@@ -264,8 +266,9 @@ pub struct ActionResult {
 
 /// A tool a device offers: UFO's `MCPToolInfo`, the items of a `list_tools` result and of
 /// REGISTER `metadata.tools`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 #[schemars(rename = "MCPToolInfo")]
+#[schema(as = MCPToolInfo)]
 pub struct McpToolInfo {
     /// `"<tool_type>::<tool_name>"`.
     pub tool_key: String,
@@ -282,15 +285,19 @@ pub struct McpToolInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     /// JSON Schema of the parameters.
+    #[schema(value_type = Option<Object>)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_schema: Option<JsonObject>,
     /// JSON Schema of the result.
+    #[schema(value_type = Option<Object>)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<JsonObject>,
     /// MCP metadata.
+    #[schema(value_type = Option<Object>)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub meta: Option<JsonObject>,
     /// MCP annotations.
+    #[schema(value_type = Option<Object>)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub annotations: Option<JsonObject>,
 }

@@ -44,7 +44,7 @@ impl<T> From<Result<T, ErrorBody>> for Reply<T> {
 }
 
 /// An agent's availability.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AgentStatus {
     /// Connected and ready for work.
@@ -183,7 +183,7 @@ pub struct LookupAgents {
 pub type LookupReply = Reply<Vec<AgentRecord>>;
 
 /// What the registry knows of one agent.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct AgentRecord {
     /// The agent's id.
     pub agent_id: String,

@@ -63,7 +63,7 @@ pub struct ConnectionClosed {
 }
 
 /// The state of a task. `completed`, `failed`, `canceled` and `rejected` are terminal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskState {
     /// Accepted, waiting for its executor to be free.
@@ -211,7 +211,7 @@ pub enum PlanStep {
 }
 
 /// One entry of a task's event log.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct TaskEvent {
     /// The task.
     pub task_id: String,
@@ -229,7 +229,7 @@ pub struct TaskEvent {
 }
 
 /// A task as the REST API and NATS show it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct TaskView {
     /// The task's id; also its AIP `session_id`.
     pub task_id: String,

@@ -46,3 +46,19 @@ impl JsonSchema for V1 {
         })
     }
 }
+
+impl utoipa::PartialSchema for V1 {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::Integer)
+            .description(Some("Payload version; this build speaks 1."))
+            .enum_values(Some([Self::NUMBER]))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for V1 {
+    fn name() -> std::borrow::Cow<'static, str> {
+        "PayloadVersion".into()
+    }
+}

@@ -1,11 +1,13 @@
 //! # aip-runtime: what every aip binary shares
 //!
+//! - [`api_error`]: the one REST error, extractors that refuse with it, shared OpenAPI parts;
 //! - [`api_keys`]: REST API keys (`X-API-Key` or `Authorization: Bearer`);
 //! - [`settings`]: layered configuration (embedded defaults, optional file, `AIP_…` environment);
 //! - [`telemetry`]: tracing initialised in one place;
 //! - [`shutdown`]: SIGINT/SIGTERM as a future, for graceful drain;
 //! - [`install_crypto_provider`]: rustls' ring provider, installed once at start-up.
 
+pub mod api_error;
 pub mod api_keys;
 pub mod settings;
 pub mod shutdown;

@@ -1,10 +1,11 @@
 //! `/api/agents`: the registry's own listing, richer than UFO's.
 
+use aip_runtime::api_error::{Path, Query};
 use axum::Json;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
-use proto_schemas::ClientType;
+use axum::extract::State;
 use proto_schemas::registry::{AgentRecord, AgentStatus};
+use proto_schemas::{ClientType, ErrorBody};
+use utoipa::IntoParams;
 
 use super::AppState;
 use super::error::ApiError;
@@ -16,26 +17,64 @@ pub const DEFAULT_LIST_LIMIT: u32 = 1000;
 /// Listing never answers more than this many agents.
 pub const MAX_LIST_LIMIT: u32 = 10_000;
 
-/// `GET /api/agents?capability=a&capability=b,c&status=available&type=device&limit=100`:
-/// agents with every capability given, the stored status and the type given, by id.
+/// The query of `GET /api/agents`, as documented. The handler reads the pairs itself
+/// ([`parse_filter`]): a capability may repeat, and an unknown key is refused, not ignored.
+#[derive(Debug, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[allow(dead_code)]
+pub struct ListQuery {
+    /// Only agents with every one of these capabilities; repeat the key or separate with
+    /// commas (`capabilities` is the same).
+    capability: Option<Vec<String>>,
+    /// Only agents with this stored status.
+    status: Option<AgentStatus>,
+    /// Only agents of this type (`client_type` is the same).
+    r#type: Option<ClientType>,
+    /// At most this many agents (default 1000; more than 10000 answers 10000).
+    limit: Option<u32>,
+}
+
+/// Agents with every capability given, the stored status and the type given, by id.
+#[utoipa::path(
+    get,
+    path = "/agents",
+    operation_id = "list_agents",
+    tag = "agents",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "the agents, by id", body = Vec<AgentRecord>),
+        (status = 400, description = "an unknown key, status or type, or a limit that is not a whole number", body = ErrorBody),
+        (status = 503, description = "the database is unavailable; retry", body = ErrorBody),
+    )
+)]
 pub async fn list(
     State(state): State<AppState>,
-    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+    Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Json<Vec<AgentRecord>>, ApiError> {
-    let Query(pairs) =
-        query.map_err(|e| ApiError::InvalidRequest(format!("invalid query string: {e}")))?;
     let filter = parse_filter(&pairs)?;
     Ok(Json(state.store.list(&filter).await?))
 }
 
-/// `GET /api/agents/{id}`: one agent, 404 if never registered.
+/// One agent, online or not.
+#[utoipa::path(
+    get,
+    path = "/agents/{id}",
+    operation_id = "get_agent",
+    tag = "agents",
+    params(("id" = String, Path, description = "the agent's id (its AIP client_id)")),
+    responses(
+        (status = 200, description = "the agent", body = AgentRecord),
+        (status = 404, description = "never registered", body = ErrorBody),
+        (status = 503, description = "the database is unavailable; retry", body = ErrorBody),
+    )
+)]
 pub async fn get(
     State(state): State<AppState>,
     Path(agent_id): Path<String>,
 ) -> Result<Json<AgentRecord>, ApiError> {
     match state.store.get(&agent_id).await? {
         Some(agent) => Ok(Json(agent)),
-        None => Err(ApiError::NotFound(not_found(&agent_id).detail)),
+        None => Err(ApiError::from(not_found(&agent_id))),
     }
 }
 
@@ -55,14 +94,14 @@ fn parse_filter(pairs: &[(String, String)]) -> Result<AgentFilter, ApiError> {
             ),
             "status" => {
                 filter.status = Some(AgentStatus::from_wire(value).ok_or_else(|| {
-                    ApiError::InvalidRequest(format!(
+                    ApiError::invalid(format!(
                         "invalid status `{value}`: expected `available`, `busy` or `offline`"
                     ))
                 })?);
             }
             "type" | "client_type" => {
                 filter.client_type = Some(ClientType::from_wire(value).ok_or_else(|| {
-                    ApiError::InvalidRequest(format!(
+                    ApiError::invalid(format!(
                         "invalid type `{value}`: expected {}",
                         ClientType::expected()
                     ))
@@ -70,14 +109,14 @@ fn parse_filter(pairs: &[(String, String)]) -> Result<AgentFilter, ApiError> {
             }
             "limit" => {
                 let limit: u32 = value.parse().map_err(|_| {
-                    ApiError::InvalidRequest(format!(
+                    ApiError::invalid(format!(
                         "invalid limit `{value}`: expected a whole number"
                     ))
                 })?;
                 filter.limit = limit.min(MAX_LIST_LIMIT);
             }
             other => {
-                return Err(ApiError::InvalidRequest(format!(
+                return Err(ApiError::invalid(format!(
                     "unknown query parameter `{other}`: use capability, status, type or limit"
                 )));
             }
