@@ -16,10 +16,15 @@ use crate::version::V1;
 pub struct TaskRequest {
     /// Always 1.
     pub version: V1,
-    /// The task's id; chosen by the broker when absent.
+    /// The task's id; chosen by the broker when absent. At most 256 UTF-8 bytes
+    /// (`MAX_ID_BYTES`).
+    #[schema(min_length = 1, max_length = 256)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<String>,
-    /// What to do, in words (sent to a UFO device as the task's request).
+    /// What to do, in words (sent to a UFO device as the task's request); not blank.
+    #[schema(
+        pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+    )]
     pub description: String,
     /// Structured input for the task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -39,6 +44,7 @@ pub struct TaskRequest {
     #[serde(default)]
     pub required_capabilities: Vec<String>,
     /// A name for the task (`[A-Za-z0-9._-]`, not starting with `.`); UFO's result lookup uses it.
+    #[schema(pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]*$")]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_name: Option<String>,
     /// Scripted planner: the command rounds to send, in order.

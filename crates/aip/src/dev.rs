@@ -12,7 +12,8 @@
 //! | `/ws` | gateway |
 //! | `/api/agents`, `/api/agents/{id}`, `/api/clients`, `/api/health` | registry |
 //! | `/healthz`, `/readyz` | `aip dev` itself: the process, and bus + database |
-//! | everything else (`/api/tasks…`, `/api/dispatch`, `/api/task_result/…`, `/openapi.json`) | session service |
+//! | `/openapi.json` | `aip dev` itself: both services' documents in one ([`openapi`]) |
+//! | everything else (`/api/tasks…`, `/api/dispatch`, `/api/task_result/…`) | session service |
 //!
 //! Each service also binds its own loopback listener on a free port (their `build` binds);
 //! nothing needs it, the address clients use is the one printed.
@@ -141,6 +142,22 @@ fn unavailable(detail: String) -> Response {
         .into_response()
 }
 
+/// One OpenAPI document with every route `aip dev` serves: the session service's and the
+/// registry's generated documents merged (their schemas share names only where they are the
+/// same proto-schemas type; the probes are in both).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    let mut document = aip_sessions::http::openapi();
+    document.merge(aip_registry::http::openapi());
+    document.info.title = "aip dev".to_owned();
+    document.info.description = Some(
+        "Every REST route of the aip broker on one address: the session service's tasks and \
+         UFO's dispatch, and the registry's agents. `/api/*` needs an API key (`X-API-Key` \
+         or `Authorization: Bearer`) when keys are given."
+            .to_owned(),
+    );
+    document
+}
+
 /// The three services' routers.
 #[derive(Clone)]
 pub struct Services {
@@ -267,9 +284,14 @@ impl DevServer {
             .context("the gateway did not start")?;
 
         let stopping = CancellationToken::new();
+        let document = openapi();
         let health = Router::new()
             .route("/healthz", get(healthz))
             .route("/readyz", get(readyz))
+            .route(
+                "/openapi.json",
+                get(move || async move { axum::Json(document) }),
+            )
             .with_state(Health {
                 bus: bus.clone(),
                 db: db.clone(),
@@ -521,6 +543,18 @@ mod tests {
             "/api/agentsx",
         ] {
             assert_eq!(owner(path), Owner::Sessions, "{path}");
+        }
+    }
+
+    #[test]
+    fn one_document_has_every_route_of_both_services() {
+        let document = serde_json::to_value(openapi()).expect("serialises");
+        let paths = document["paths"].as_object().expect("paths");
+        for path in ["/api/tasks", "/api/dispatch", "/api/agents/{id}", "/api/clients"] {
+            assert!(paths.contains_key(path), "{path}");
+        }
+        for name in ["TaskView", "AgentRecord", "ErrorBody"] {
+            assert!(document["components"]["schemas"].get(name).is_some(), "{name}");
         }
     }
 

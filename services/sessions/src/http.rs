@@ -1,49 +1,44 @@
 //! The session service's REST API.
 //!
 //! Richer routes under `/api/tasks` and UFO's `POST /api/dispatch` and
-//! `GET /api/task_result/{task_name}` with their exact shapes. Every error is
-//! `{"detail": …, "error_code": …}` with the status of its code. The OpenAPI document is
-//! [`openapi`], served at `/openapi.json` and checked in as `services/sessions/openapi.json`.
+//! `GET /api/task_result/{task_name}` with their exact shapes. Every error is an
+//! [`ApiError`]: `{"detail": …, "error_code": …}` with the status of its code. The OpenAPI
+//! document is [`openapi`], generated from the handlers' annotations and types, served at
+//! `/openapi.json` and checked in as `services/sessions/openapi.json`.
 
 use std::convert::Infallible;
 use std::time::Duration;
 
+use aip_runtime::api_error::{ApiError, JsonBody, Path, Query};
 use aip_runtime::api_keys::{self, ApiKeys};
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router, middleware};
 use futures::Stream;
 use proto_schemas::flow::TaskRequest;
-use proto_schemas::sessions::{TaskEvent, TaskView};
-use proto_schemas::{ErrorBody, ErrorCode};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
+use proto_schemas::{ActionResult, Command, ErrorBody, ErrorCode};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::openapi::OpenApi;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::engine::{Engine, EngineError, NewTask, Placement, Plan, Requester, valid_task_name};
 use crate::store::{ListFilter, StoreError};
 use crate::workers::new_task_from_request;
 
-/// Why a REST request failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ApiError {
-    /// Refused with a code (bad input, unknown task, conflict, …).
-    #[error("{0}")]
-    Refused(ErrorBody),
-    /// Refused with a status other than the code's usual one (UFO's 422 for a body that is
-    /// not an object).
-    #[error("{1}")]
-    WithStatus(StatusCode, ErrorBody),
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-impl ApiError {
-    fn new(code: ErrorCode, detail: impl Into<String>) -> Self {
-        ApiError::Refused(ErrorBody::new(code, detail))
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        ApiError::failed(
+            ErrorCode::Unavailable,
+            "the task database is unavailable; retry shortly",
+            e,
+        )
     }
 }
 
@@ -51,72 +46,34 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
             EngineError::Refused(body) => ApiError::Refused(body),
-            EngineError::Store(e) => ApiError::Store(e),
+            EngineError::Store(e) => e.into(),
         }
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = match self {
-            ApiError::WithStatus(status, body) => return (status, Json(body)).into_response(),
-            ApiError::Refused(body) => body,
-            ApiError::Store(e) => {
-                tracing::error!("REST request failed: {e}");
-                ErrorBody::new(
-                    ErrorCode::Unavailable,
-                    "the task database is unavailable; retry shortly",
-                )
-            }
-        };
-        let status = StatusCode::from_u16(body.error_code.http_status())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, Json(body)).into_response()
-    }
-}
-
-/// A JSON body whose rejection is an [`ApiError`] (422 for a body that is not the object).
-pub struct Body<T>(T);
-
-impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for Body<T> {
-    type Rejection = Response;
-
-    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, Self::Rejection> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(v)) => Ok(Body(v)),
-            Err(rejection) => {
-                let detail = format!("invalid JSON body: {}", rejection.body_text());
-                let status = if rejection.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
-                    StatusCode::UNSUPPORTED_MEDIA_TYPE
-                } else {
-                    StatusCode::UNPROCESSABLE_ENTITY
-                };
-                Err((
-                    status,
-                    Json(ErrorBody::new(ErrorCode::InvalidRequest, detail)),
-                )
-                    .into_response())
-            }
-        }
-    }
+/// The `/api` routes with their documentation.
+fn api_routes() -> OpenApiRouter<Engine> {
+    OpenApiRouter::new()
+        .routes(routes!(create_task, list_tasks))
+        .routes(routes!(get_task))
+        .routes(routes!(task_events))
+        .routes(routes!(task_event_stream))
+        .routes(routes!(cancel_task))
+        .routes(routes!(send_commands))
+        .routes(routes!(complete_task))
+        .routes(routes!(ufo_dispatch))
+        .routes(routes!(ufo_task_result))
 }
 
 /// The routes, with API keys required on `/api/*`.
 pub fn router(engine: Engine, keys: ApiKeys) -> Router {
-    let api = Router::new()
-        .route("/api/tasks", post(create_task).get(list_tasks))
-        .route("/api/tasks/{id}", get(get_task))
-        .route("/api/tasks/{id}/events", get(task_events))
-        .route("/api/tasks/{id}/events/stream", get(task_event_stream))
-        .route("/api/tasks/{id}/cancel", post(cancel_task))
-        .route("/api/tasks/{id}/commands", post(send_commands))
-        .route("/api/tasks/{id}/complete", post(complete_task))
-        .route("/api/dispatch", post(ufo_dispatch))
-        .route("/api/task_result/{task_name}", get(ufo_task_result))
-        .layer(middleware::from_fn_with_state(keys, api_keys::require));
+    let (api, _) = api_routes()
+        .layer(middleware::from_fn_with_state(keys, api_keys::require))
+        .split_for_parts();
+    let document = openapi();
     Router::new()
         .merge(api)
-        .route("/openapi.json", get(|| async { Json(openapi()) }))
+        .route("/openapi.json", get(move || async move { Json(document) }))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .with_state(engine)
@@ -141,53 +98,114 @@ async fn ready(State(engine): State<Engine>) -> Response {
     }
 }
 
+/// Error responses of the task routes, by status (each body an [`ErrorBody`]).
+const NO_TASK: &str = "no task with this id";
+/// Said of every route that reads or writes the task database.
+const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable; retry";
+
+/// Submits a task to an explicit target or to an agent with the required capabilities.
+#[utoipa::path(
+    post,
+    path = "/api/tasks",
+    operation_id = "create_task",
+    tag = "tasks",
+    request_body(content = TaskRequest, description = "give `target_id` or `required_capabilities`; `steps` or `driver: true`, not both"),
+    responses(
+        (status = 201, description = "the task, dispatched or queued", body = TaskView),
+        (status = 400, description = "invalid request", body = ErrorBody),
+        (status = 404, description = "the target device is not online (DEVICE_NOT_FOUND)", body = ErrorBody),
+        (status = 409, description = "the task id is taken", body = ErrorBody),
+        (status = 422, description = "no available agent has the capabilities (CAPABILITY_MISMATCH)", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn create_task(
     State(engine): State<Engine>,
-    Body(request): Body<TaskRequest>,
+    JsonBody(request): JsonBody<TaskRequest>,
 ) -> Result<Response, ApiError> {
-    let new = new_task_from_request(request, Requester::Rest).map_err(ApiError::Refused)?;
+    let new = new_task_from_request(request, Requester::Rest)?;
     let started = engine.submit(new).await?;
     Ok((StatusCode::CREATED, Json(started.task.view())).into_response())
 }
 
 /// Query of `GET /api/tasks`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct ListQuery {
+    /// Only tasks in this state.
+    #[param(value_type = Option<TaskState>)]
     state: Option<String>,
+    /// Only tasks run by this agent.
     executor: Option<String>,
+    /// Only tasks asked by this requester id.
     requester: Option<String>,
+    /// Only tasks with this name.
     task_name: Option<String>,
+    /// `next_cursor` of the previous page, as given.
+    #[param(pattern = "^[0-9]{1,18}:")]
     cursor: Option<String>,
-    limit: Option<i64>,
+    /// At most this many (default 50; 0 counts as 1, more than 500 as 500).
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295_u64)]
+    limit: Option<u32>,
 }
 
+/// Default page size of `GET /api/tasks`.
+const DEFAULT_PAGE: u32 = 50;
+/// Largest page of `GET /api/tasks`: one page stays one quick query.
+const MAX_PAGE: u32 = 500;
+/// Longest `created_ms` of a cursor, in digits: any 18 digits fit an `i64`.
+const CURSOR_MS_DIGITS: usize = 18;
+
+/// A page of `GET /api/tasks`.
+#[derive(Debug, Serialize, ToSchema)]
+struct TaskPage {
+    /// Newest first.
+    tasks: Vec<TaskView>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    next_cursor: Option<String>,
+}
+
+/// Parses a cursor `created_ms:task_id` (what `next_cursor` gives).
+fn parse_cursor(cursor: &str) -> Option<(i64, String)> {
+    let (ms, id) = cursor.split_once(':')?;
+    let digits_only = !ms.is_empty()
+        && ms.len() <= CURSOR_MS_DIGITS
+        && ms.bytes().all(|b| b.is_ascii_digit());
+    if !digits_only {
+        return None;
+    }
+    Some((ms.parse().ok()?, id.to_owned()))
+}
+
+/// Lists tasks, newest first, with cursor pagination.
+#[utoipa::path(
+    get,
+    path = "/api/tasks",
+    operation_id = "list_tasks",
+    tag = "tasks",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "a page of tasks", body = TaskPage),
+        (status = 400, description = "an unknown state, an invalid cursor or limit", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn list_tasks(
     State(engine): State<Engine>,
     Query(q): Query<ListQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TaskPage>, ApiError> {
     if let Some(state) = &q.state
-        && proto_schemas::sessions::TaskState::from_wire(state).is_none()
+        && TaskState::from_wire(state).is_none()
     {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("unknown state {state:?}"),
-        ));
+        return Err(ApiError::invalid(format!("unknown state {state:?}")));
     }
     let cursor = match &q.cursor {
         None => None,
-        Some(c) => {
-            let parsed = c
-                .split_once(':')
-                .and_then(|(ms, id)| ms.parse::<i64>().ok().map(|ms| (ms, id.to_owned())));
-            Some(parsed.ok_or_else(|| {
-                ApiError::new(
-                    ErrorCode::InvalidRequest,
-                    "invalid cursor: use next_cursor as given",
-                )
-            })?)
-        }
+        Some(c) => Some(parse_cursor(c).ok_or_else(|| {
+            ApiError::invalid("invalid cursor: use next_cursor as given")
+        })?),
     };
-    let limit = q.limit.unwrap_or(50).clamp(1, 500);
+    let limit = i64::from(q.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE));
     let filter = ListFilter {
         state: q.state,
         executor: q.executor,
@@ -203,10 +221,23 @@ async fn list_tasks(
                 .map(|r| format!("{}:{}", r.created_ms, r.task_id))
         })
         .flatten();
-    let tasks: Vec<TaskView> = rows.iter().map(|r| r.view()).collect();
-    Ok(Json(json!({ "tasks": tasks, "next_cursor": next_cursor })))
+    let tasks = rows.iter().map(|r| r.view()).collect();
+    Ok(Json(TaskPage { tasks, next_cursor }))
 }
 
+/// One task.
+#[utoipa::path(
+    get,
+    path = "/api/tasks/{id}",
+    operation_id = "get_task",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id (its AIP session_id)")),
+    responses(
+        (status = 200, description = "the task", body = TaskView),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn get_task(
     State(engine): State<Engine>,
     Path(id): Path<String>,
@@ -216,47 +247,112 @@ async fn get_task(
 }
 
 fn not_found(id: &str) -> ApiError {
-    ApiError::new(ErrorCode::NotFound, format!("no task '{id}'"))
+    ApiError::not_found(format!("no task '{id}'"))
 }
 
 /// Query of the event routes.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 struct EventsQuery {
+    /// Only events with a larger sequence number (default 0: from the first).
+    #[param(minimum = 0)]
     after: Option<i64>,
-    limit: Option<i64>,
+    /// At most this many (default 1000; 0 counts as 1, more than 10000 as 10000).
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295_u64)]
+    limit: Option<u32>,
 }
 
+/// Default number of events per answer.
+const DEFAULT_EVENTS: u32 = 1000;
+/// Most events per answer: one answer stays one quick query.
+const MAX_EVENTS: u32 = 10_000;
+/// Events read per query while streaming.
+const STREAM_BATCH: i64 = 100;
+/// How often a stream looks for new events.
+const STREAM_POLL: Duration = Duration::from_millis(200);
+
+impl EventsQuery {
+    /// `after`, refused when negative (sequence numbers start at 1).
+    fn after(&self) -> Result<i64, ApiError> {
+        match self.after {
+            Some(after) if after < 0 => Err(ApiError::invalid(format!(
+                "`after` must be 0 or more (got {after})"
+            ))),
+            after => Ok(after.unwrap_or(0)),
+        }
+    }
+}
+
+/// A task's event log.
+#[derive(Debug, Serialize, ToSchema)]
+struct TaskEvents {
+    /// The task.
+    task_id: String,
+    /// In order of their sequence numbers.
+    events: Vec<TaskEvent>,
+}
+
+/// A task's event log (gap-free sequence numbers from 1).
+#[utoipa::path(
+    get,
+    path = "/api/tasks/{id}/events",
+    operation_id = "task_events",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id"), EventsQuery),
+    responses(
+        (status = 200, description = "events in order", body = TaskEvents),
+        (status = 400, description = "a negative `after`, or an invalid limit", body = ErrorBody),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn task_events(
     State(engine): State<Engine>,
     Path(id): Path<String>,
     Query(q): Query<EventsQuery>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TaskEvents>, ApiError> {
+    let after = q.after()?;
+    let limit = i64::from(q.limit.unwrap_or(DEFAULT_EVENTS).clamp(1, MAX_EVENTS));
     engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
-    let events = engine
-        .store
-        .events(
-            &id,
-            q.after.unwrap_or(0),
-            q.limit.unwrap_or(1000).clamp(1, 10_000),
-        )
-        .await?;
-    Ok(Json(json!({ "task_id": id, "events": events })))
+    let events = engine.store.events(&id, after, limit).await?;
+    Ok(Json(TaskEvents {
+        task_id: id,
+        events,
+    }))
 }
 
-/// Server-Sent Events of a task's log from `after` (or the `Last-Event-ID` header), one event
-/// per entry with its sequence number as id; ends after the terminal event.
+/// A task's event log as Server-Sent Events from `after` (or the `Last-Event-ID` header), one
+/// event per entry with its sequence number as id; ends after the terminal event.
+#[utoipa::path(
+    get,
+    path = "/api/tasks/{id}/events/stream",
+    operation_id = "task_event_stream",
+    tag = "tasks",
+    params(
+        ("id" = String, Path, description = "the task id"),
+        ("after" = Option<i64>, Query, minimum = 0, description = "only events with a larger sequence number"),
+        ("Last-Event-ID" = Option<String>, Header, description = "resume after this sequence number (wins over `after`; ignored unless a whole number)"),
+    ),
+    responses(
+        (status = 200, description = "an event stream; each event's id is its sequence number, its data a TaskEvent", content_type = "text/event-stream", body = String),
+        (status = 400, description = "a negative `after`", body = ErrorBody),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn task_event_stream(
     State(engine): State<Engine>,
     Path(id): Path<String>,
     Query(q): Query<EventsQuery>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let after = q.after()?;
     engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
     let last_id = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<i64>().ok());
-    let after = last_id.or(q.after).unwrap_or(0);
+    let after = last_id.unwrap_or(after);
     let stream = futures::stream::unfold(
         (engine, id, after, false),
         |(engine, id, after, done)| async move {
@@ -264,26 +360,19 @@ async fn task_event_stream(
                 return None;
             }
             loop {
-                match engine.store.events(&id, after, 100).await {
+                match engine.store.events(&id, after, STREAM_BATCH).await {
                     Ok(events) if !events.is_empty() => {
                         let last: &TaskEvent = events.last()?;
                         let next_after = last.seq;
                         let finished = last.state.is_terminal();
-                        let batch: Vec<Result<Event, Infallible>> = events
-                            .iter()
-                            .map(|e| {
-                                Ok(Event::default()
-                                    .id(e.seq.to_string())
-                                    .event(e.kind.clone())
-                                    .data(serde_json::to_string(e).unwrap_or_default()))
-                            })
-                            .collect();
+                        let batch: Vec<Result<Event, Infallible>> =
+                            events.iter().filter_map(sse_event).map(Ok).collect();
                         return Some((
                             futures::stream::iter(batch),
                             (engine, id, next_after, finished),
                         ));
                     }
-                    Ok(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                    Ok(_) => tokio::time::sleep(STREAM_POLL).await,
                     Err(e) => {
                         tracing::warn!("event stream read failed: {e}");
                         return None;
@@ -296,50 +385,127 @@ async fn task_event_stream(
     Ok(Sse::new(stream.flatten()).keep_alive(KeepAlive::default()))
 }
 
+/// One log entry as a Server-Sent Event; `None` (logged) if it cannot be written as JSON.
+fn sse_event(event: &TaskEvent) -> Option<Event> {
+    match Event::default()
+        .id(event.seq.to_string())
+        .event(event.kind.clone())
+        .json_data(event)
+    {
+        Ok(sse) => Some(sse),
+        Err(e) => {
+            tracing::error!(
+                "event {} of task {} cannot be written as JSON: {e}",
+                event.seq,
+                event.task_id
+            );
+            None
+        }
+    }
+}
+
 /// Body of `POST /api/tasks/{id}/cancel`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 struct CancelBody {
+    /// Why (default "requested over REST").
     reason: Option<String>,
 }
 
+/// Cancels a live task; its executor (and a client requester) get task_end.
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/cancel",
+    operation_id = "cancel_task",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    request_body(content = Option<CancelBody>, description = "optional"),
+    responses(
+        (status = 200, description = "the canceled task", body = TaskView),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "the task has already ended", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn cancel_task(
     State(engine): State<Engine>,
     Path(id): Path<String>,
-    body: Option<Json<CancelBody>>,
+    body: Option<JsonBody<CancelBody>>,
 ) -> Result<Json<TaskView>, ApiError> {
     let reason = body
-        .and_then(|Json(b)| b.reason)
+        .and_then(|JsonBody(b)| b.reason)
         .unwrap_or_else(|| "requested over REST".to_owned());
     let task = engine.cancel(&id, &reason).await?;
     Ok(Json(task.view()))
 }
 
 /// Body of `POST /api/tasks/{id}/commands`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CommandsBody {
-    actions: Vec<proto_schemas::Command>,
+    /// The commands, sent in one `command` frame.
+    #[schema(min_items = 1)]
+    actions: Vec<Command>,
+    /// The UFO agent to run them (default: the platform's agent).
     agent_name: Option<String>,
+    /// Passed through to the device.
     process_name: Option<String>,
+    /// Passed through to the device.
     root_name: Option<String>,
-    /// How long to wait for the results (default 60 s, at most 600 s).
-    timeout_secs: Option<u64>,
+    /// How long to wait for the results (default 60 s; 0 counts as 1, more than 600 as 600).
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 4294967295_u64)]
+    timeout_secs: Option<u32>,
 }
 
-/// A tool call on the executor of a requester-driven task: sends the commands and waits for
-/// their results (504 TASK_TIMEOUT if they do not come in time; the command stays pending).
+/// Default wait for a command's results.
+const DEFAULT_COMMAND_WAIT_SECS: u32 = 60;
+/// Longest wait for a command's results: a REST caller should not hold a request longer.
+const MAX_COMMAND_WAIT_SECS: u32 = 600;
+/// How often the wait looks for the results.
+const COMMAND_POLL: Duration = Duration::from_millis(50);
+
+/// The results of one `POST /api/tasks/{id}/commands`.
+#[derive(Debug, Serialize, ToSchema)]
+struct CommandResults {
+    /// The `response_id` of the command frame the results answer.
+    response_id: String,
+    /// The `status` of the results frame, as the device sent it.
+    status: Value,
+    /// One Result per command, in order, as the device sent them.
+    #[schema(value_type = Vec<ActionResult>)]
+    results: Value,
+}
+
+/// A tool call on the executor of a requester-driven task (submitted with `"driver": true`):
+/// sends the commands and waits for their results.
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/commands",
+    operation_id = "send_commands",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    request_body = CommandsBody,
+    responses(
+        (status = 200, description = "the results, one per command, in order", body = CommandResults),
+        (status = 400, description = "no actions, or an invalid body", body = ErrorBody),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "not a driver task, not running, a command still pending, or the task ended before the results came", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+        (status = 504, description = "no results in time (TASK_TIMEOUT); the command stays pending", body = ErrorBody),
+    )
+)]
 async fn send_commands(
     State(engine): State<Engine>,
     Path(id): Path<String>,
-    Body(body): Body<CommandsBody>,
-) -> Result<Json<Value>, ApiError> {
+    JsonBody(body): JsonBody<CommandsBody>,
+) -> Result<Json<CommandResults>, ApiError> {
     if body.actions.is_empty() {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "`actions` must not be empty",
-        ));
+        return Err(ApiError::invalid("`actions` must not be empty"));
     }
-    let wait = Duration::from_secs(body.timeout_secs.unwrap_or(60).clamp(1, 600));
+    let wait_secs = body
+        .timeout_secs
+        .unwrap_or(DEFAULT_COMMAND_WAIT_SECS)
+        .clamp(1, MAX_COMMAND_WAIT_SECS);
+    let wait = Duration::from_secs(u64::from(wait_secs));
     let step = proto_schemas::sessions::PlanStep::Commands {
         actions: body.actions,
         agent_name: body.agent_name,
@@ -350,7 +516,7 @@ async fn send_commands(
     let deadline = tokio::time::Instant::now() + wait;
     let mut after = sent_seq;
     loop {
-        for event in engine.store.events(&id, after, 100).await? {
+        for event in engine.store.events(&id, after, STREAM_BATCH).await? {
             after = event.seq;
             let answers = event
                 .data
@@ -359,9 +525,11 @@ async fn send_commands(
                 .and_then(Value::as_str);
             if event.kind == "results_received" && answers == Some(response_id.as_str()) {
                 let data = event.data.unwrap_or_default();
-                return Ok(Json(
-                    json!({ "response_id": response_id, "status": data["status"], "results": data["results"] }),
-                ));
+                return Ok(Json(CommandResults {
+                    response_id,
+                    status: data["status"].clone(),
+                    results: data["results"].clone(),
+                }));
             }
             if event.state.is_terminal() {
                 return Err(ApiError::new(
@@ -382,34 +550,97 @@ async fn send_commands(
                 ),
             ));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(COMMAND_POLL).await;
     }
 }
 
 /// Body of `POST /api/tasks/{id}/complete`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CompleteBody {
+    /// The task's result.
     result: Option<Value>,
     /// Set to end the task as failed, with this reason.
     error: Option<String>,
 }
 
-/// Ends a requester-driven task.
+/// Ends a requester-driven task, completed (or failed with `error`).
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/complete",
+    operation_id = "complete_task",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    request_body = CompleteBody,
+    responses(
+        (status = 200, description = "the ended task", body = TaskView),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "not a driver task, or already ended", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn complete_task(
     State(engine): State<Engine>,
     Path(id): Path<String>,
-    Body(body): Body<CompleteBody>,
+    JsonBody(body): JsonBody<CompleteBody>,
 ) -> Result<Json<TaskView>, ApiError> {
     let task = engine.complete(&id, body.result, body.error).await?;
     Ok(Json(task.view()))
 }
 
+/// Body of UFO's `POST /api/dispatch`, as documented. The handler reads it as JSON itself, to
+/// answer each mistake with UFO's words and in UFO's order.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+struct DispatchRequest {
+    /// The online device to run the task.
+    #[schema(min_length = 1)]
+    client_id: String,
+    /// What to do, in words; not blank.
+    #[schema(pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")]
+    request: String,
+    /// A name for the task (`[A-Za-z0-9._-]`, not starting with `.`); the result lookup uses it.
+    #[schema(nullable = false, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]*$")]
+    task_name: Option<String>,
+    /// Extension: scripted steps, the command rounds to send in order.
+    #[schema(nullable = false)]
+    steps: Option<Vec<Vec<Command>>>,
+}
+
+/// What UFO's dispatch answers.
+#[derive(Debug, Serialize, ToSchema)]
+struct Dispatched {
+    /// Always `dispatched`.
+    #[schema(pattern = "^dispatched$")]
+    status: &'static str,
+    /// The task's name (given or chosen).
+    task_name: String,
+    /// The device.
+    client_id: String,
+    /// The task id, also its AIP session id.
+    session_id: String,
+}
+
 /// UFO's dispatch: send a task to an online device, which echoes it and is then driven.
+#[utoipa::path(
+    post,
+    path = "/api/dispatch",
+    operation_id = "ufo_dispatch",
+    tag = "ufo",
+    request_body = DispatchRequest,
+    responses(
+        (status = 200, description = "dispatched", body = Dispatched),
+        (status = 400, description = "Empty task content, Empty client ID, Invalid task_name, or steps that are not lists of Commands", body = ErrorBody),
+        (status = 404, description = "Client not online", body = ErrorBody),
+        (status = 409, description = "a task with this name is live", body = ErrorBody),
+        (status = 422, description = "the body is not a JSON object", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn ufo_dispatch(
     State(engine): State<Engine>,
-    Body(body): Body<Value>,
-) -> Result<Json<Value>, ApiError> {
+    JsonBody(body): JsonBody<Value>,
+) -> Result<Json<Dispatched>, ApiError> {
     let Some(object) = body.as_object() else {
         let body = ErrorBody::new(ErrorCode::InvalidRequest, "the body must be a JSON object");
         return Err(ApiError::WithStatus(StatusCode::UNPROCESSABLE_ENTITY, body));
@@ -417,31 +648,24 @@ async fn ufo_dispatch(
     let text = |key: &str| object.get(key).and_then(Value::as_str).map(str::to_owned);
     let request = text("request").unwrap_or_default();
     if request.trim().is_empty() {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "Empty task content",
-        ));
+        return Err(ApiError::invalid("Empty task content"));
     }
     let client_id = text("client_id").unwrap_or_default();
     if client_id.is_empty() {
-        return Err(ApiError::new(ErrorCode::InvalidRequest, "Empty client ID"));
+        return Err(ApiError::invalid("Empty client ID"));
     }
     let task_name = match object.get("task_name") {
         None => None,
         Some(Value::String(name)) if valid_task_name(name) => Some(name.clone()),
         Some(_) => {
-            return Err(ApiError::new(
-                ErrorCode::InvalidRequest,
+            return Err(ApiError::invalid(
                 "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'",
             ));
         }
     };
     let plan = match object.get("steps") {
         Some(steps) => Plan::Scripted(serde_json::from_value(steps.clone()).map_err(|e| {
-            ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!("`steps` must be lists of Commands: {e}"),
-            )
+            ApiError::invalid(format!("`steps` must be lists of Commands: {e}"))
         })?),
         None => Plan::Remote,
     };
@@ -464,220 +688,232 @@ async fn ufo_dispatch(
         }
         other => other.into(),
     })?;
-    Ok(Json(json!({
-        "status": "dispatched",
-        "task_name": started.task.task_name,
-        "client_id": client_id,
-        "session_id": started.task.task_id,
-    })))
+    Ok(Json(Dispatched {
+        status: "dispatched",
+        task_name: started.task.task_name,
+        client_id,
+        session_id: started.task.task_id,
+    }))
 }
 
-/// UFO's result lookup by task name: `{"status":"pending"}` until the task ends, then
-/// `{"status":"done","result":…}` (plus `state` and, for failures, `error`).
+/// What UFO's result lookup answers.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(tag = "status", rename_all = "snake_case")]
+enum UfoTaskResult {
+    /// The task has not ended.
+    Pending,
+    /// The task has ended.
+    Done {
+        /// Its result (`null` when it has none).
+        result: Option<Value>,
+        /// How it ended.
+        state: TaskState,
+        /// The task id.
+        session_id: String,
+        /// Why it failed, was cancelled or rejected.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+}
+
+/// UFO's result lookup by task name (the newest task of that name).
+#[utoipa::path(
+    get,
+    path = "/api/task_result/{task_name}",
+    operation_id = "ufo_task_result",
+    tag = "ufo",
+    params(("task_name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]*$", description = "the task's name")),
+    responses(
+        (status = 200, description = "pending, or done with the result", body = UfoTaskResult),
+        (status = 400, description = "invalid task name", body = ErrorBody),
+        (status = 404, description = "no task of that name", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
 async fn ufo_task_result(
     State(engine): State<Engine>,
     Path(task_name): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<UfoTaskResult>, ApiError> {
     if !valid_task_name(&task_name) {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
+        return Err(ApiError::invalid(
             "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'",
         ));
     }
-    let task = engine.store.get_by_name(&task_name).await?.ok_or_else(|| {
-        ApiError::new(ErrorCode::NotFound, format!("no task named '{task_name}'"))
-    })?;
-    if !task.state().is_terminal() {
-        return Ok(Json(json!({ "status": "pending" })));
+    let task = engine
+        .store
+        .get_by_name(&task_name)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no task named '{task_name}'")))?;
+    let state = task.state();
+    if !state.is_terminal() {
+        return Ok(Json(UfoTaskResult::Pending));
     }
-    let mut body = json!({
-        "status": "done",
-        "result": task.result.as_ref().map(|r| r.0.clone()),
-        "state": task.state,
-        "session_id": task.task_id,
-    });
-    if let Some(error) = &task.error {
-        body["error"] = Value::from(error.clone());
-    }
-    Ok(Json(body))
+    Ok(Json(UfoTaskResult::Done {
+        result: task.result.map(|r| r.0),
+        state,
+        session_id: task.task_id,
+        error: task.error,
+    }))
 }
 
-/// The OpenAPI 3.1 document of this API.
-pub fn openapi() -> Value {
-    let settings =
-        schemars::generate::SchemaSettings::draft2020_12().with(|s| s.meta_schema = None);
-    let components = proto_schemas::schema::components(settings, "/components/schemas/", |g| {
-        vec![
-            ("TaskRequest", g.subschema_for::<TaskRequest>().to_value()),
-            ("TaskView", g.subschema_for::<TaskView>().to_value()),
-            ("TaskEvent", g.subschema_for::<TaskEvent>().to_value()),
-            ("ErrorBody", g.subschema_for::<ErrorBody>().to_value()),
-            (
-                "Command",
-                g.subschema_for::<proto_schemas::Command>().to_value(),
-            ),
-            (
-                "Result",
-                g.subschema_for::<proto_schemas::ActionResult>().to_value(),
-            ),
-        ]
-    });
-    let error = |description: &str| json!({ "description": description, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ErrorBody" } } } });
-    let ok = |description: &str, schema: Value| json!({ "description": description, "content": { "application/json": { "schema": schema } } });
-    let task_ref = json!({ "$ref": "#/components/schemas/TaskView" });
-    let id_param = json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string" }, "description": "the task id (its AIP session_id)" });
-    let after_param = json!({ "name": "after", "in": "query", "schema": { "type": "integer", "minimum": 0 }, "description": "only events with a larger sequence number" });
-    json!({
-        "openapi": "3.1.0",
-        "info": {
-            "title": "aip-sessions",
-            "version": env!("CARGO_PKG_VERSION"),
-            "description": "Tasks of the aip broker: submit, follow, cancel, and read results. `/api/*` needs an API key \
-                (`X-API-Key` or `Authorization: Bearer`) when keys are configured."
-        },
-        "components": {
-            "schemas": components,
-            "securitySchemes": {
-                "apiKey": { "type": "apiKey", "in": "header", "name": "X-API-Key" },
-                "bearer": { "type": "http", "scheme": "bearer" }
-            }
-        },
-        "security": [{ "apiKey": [] }, { "bearer": [] }],
-        "paths": {
-            "/api/tasks": {
-                "post": {
-                    "summary": "Submit a task (explicit target or required capabilities)",
-                    "requestBody": { "required": true, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/TaskRequest" } } } },
-                    "responses": {
-                        "201": ok("the task, dispatched or queued", task_ref.clone()),
-                        "400": error("invalid request"), "401": error("missing or invalid API key"),
-                        "404": error("the target device is not online (DEVICE_NOT_FOUND)"),
-                        "409": error("the task id is taken"),
-                        "422": error("no available agent has the capabilities (CAPABILITY_MISMATCH), or the body is not a TaskRequest"),
-                        "503": error("the registry or the database is unavailable")
-                    }
-                },
-                "get": {
-                    "summary": "List tasks, newest first, with cursor pagination",
-                    "parameters": [
-                        { "name": "state", "in": "query", "schema": { "type": "string" } },
-                        { "name": "executor", "in": "query", "schema": { "type": "string" } },
-                        { "name": "requester", "in": "query", "schema": { "type": "string" } },
-                        { "name": "task_name", "in": "query", "schema": { "type": "string" } },
-                        { "name": "cursor", "in": "query", "schema": { "type": "string" }, "description": "next_cursor of the previous page" },
-                        { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1, "maximum": 500, "default": 50 } }
-                    ],
-                    "responses": {
-                        "200": ok("a page of tasks", json!({ "type": "object", "required": ["tasks", "next_cursor"], "properties": {
-                            "tasks": { "type": "array", "items": task_ref.clone() },
-                            "next_cursor": { "type": ["string", "null"] } } })),
-                        "400": error("invalid filter or cursor"), "401": error("missing or invalid API key")
-                    }
-                }
-            },
-            "/api/tasks/{id}": {
-                "get": {
-                    "summary": "One task",
-                    "parameters": [id_param.clone()],
-                    "responses": { "200": ok("the task", task_ref.clone()), "401": error("missing or invalid API key"), "404": error("no such task") }
-                }
-            },
-            "/api/tasks/{id}/events": {
-                "get": {
-                    "summary": "A task's event log (gap-free sequence numbers from 1)",
-                    "parameters": [id_param.clone(), after_param.clone(),
-                        { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1, "maximum": 10000, "default": 1000 } }],
-                    "responses": {
-                        "200": ok("events in order", json!({ "type": "object", "required": ["task_id", "events"], "properties": {
-                            "task_id": { "type": "string" },
-                            "events": { "type": "array", "items": { "$ref": "#/components/schemas/TaskEvent" } } } })),
-                        "401": error("missing or invalid API key"), "404": error("no such task")
-                    }
-                }
-            },
-            "/api/tasks/{id}/events/stream": {
-                "get": {
-                    "summary": "The event log as Server-Sent Events, resuming after `after` or `Last-Event-ID`; ends after the terminal event",
-                    "parameters": [id_param.clone(), after_param,
-                        { "name": "Last-Event-ID", "in": "header", "schema": { "type": "string" } }],
-                    "responses": {
-                        "200": { "description": "an event stream; each event's id is its sequence number, its data a TaskEvent",
-                                 "content": { "text/event-stream": { "schema": { "type": "string" } } } },
-                        "401": error("missing or invalid API key"), "404": error("no such task")
-                    }
-                }
-            },
-            "/api/tasks/{id}/cancel": {
-                "post": {
-                    "summary": "Cancel a live task; its executor (and a client requester) get task_end",
-                    "parameters": [id_param.clone()],
-                    "requestBody": { "required": false, "content": { "application/json": { "schema": {
-                        "type": "object", "properties": { "reason": { "type": "string" } } } } } },
-                    "responses": { "200": ok("the canceled task", task_ref.clone()), "401": error("missing or invalid API key"),
-                                   "404": error("no such task"), "409": error("the task has already ended") }
-                }
-            },
-            "/api/tasks/{id}/commands": {
-                "post": {
-                    "summary": "A tool call on the executor of a requester-driven task (submitted with \"driver\": true): sends the commands and waits for their results",
-                    "parameters": [id_param.clone()],
-                    "requestBody": { "required": true, "content": { "application/json": { "schema": {
-                        "type": "object", "required": ["actions"], "additionalProperties": false, "properties": {
-                            "actions": { "type": "array", "items": { "$ref": "#/components/schemas/Command" }, "minItems": 1 },
-                            "agent_name": { "type": "string" }, "process_name": { "type": "string" }, "root_name": { "type": "string" },
-                            "timeout_secs": { "type": "integer", "minimum": 1, "maximum": 600, "default": 60 } } } } } },
-                    "responses": {
-                        "200": ok("the results, one per command, in order", json!({ "type": "object", "required": ["response_id", "results"], "properties": {
-                            "response_id": { "type": "string" }, "status": { "type": "string" },
-                            "results": { "type": "array", "items": { "$ref": "#/components/schemas/Result" } } } })),
-                        "400": error("no actions"), "401": error("missing or invalid API key"), "404": error("no such task"),
-                        "409": error("not a driver task, not running, or a command is still pending"),
-                        "504": error("no results in time (TASK_TIMEOUT); the command stays pending")
-                    }
-                }
-            },
-            "/api/tasks/{id}/complete": {
-                "post": {
-                    "summary": "End a requester-driven task, completed (or failed with `error`)",
-                    "parameters": [id_param.clone()],
-                    "requestBody": { "required": true, "content": { "application/json": { "schema": {
-                        "type": "object", "additionalProperties": false, "properties": { "result": {}, "error": { "type": "string" } } } } } },
-                    "responses": { "200": ok("the ended task", task_ref.clone()), "401": error("missing or invalid API key"),
-                                   "404": error("no such task"), "409": error("not a driver task, or already ended") }
-                }
-            },
-            "/api/dispatch": {
-                "post": {
-                    "summary": "UFO's dispatch: send a task to an online device",
-                    "requestBody": { "required": true, "content": { "application/json": { "schema": {
-                        "type": "object", "required": ["client_id", "request"], "properties": {
-                            "client_id": { "type": "string" }, "request": { "type": "string" },
-                            "task_name": { "type": "string", "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]*$" },
-                            "steps": { "type": "array", "description": "extension: scripted steps (lists of Commands)" } } } } } },
-                    "responses": {
-                        "200": ok("dispatched", json!({ "type": "object", "required": ["status", "task_name", "client_id", "session_id"], "properties": {
-                            "status": { "const": "dispatched" }, "task_name": { "type": "string" },
-                            "client_id": { "type": "string" }, "session_id": { "type": "string" } } })),
-                        "400": error("Empty task content, Empty client ID, or Invalid task_name"),
-                        "401": error("missing or invalid API key"), "404": error("Client not online"),
-                        "422": error("the body is not a JSON object")
-                    }
-                }
-            },
-            "/api/task_result/{task_name}": {
-                "get": {
-                    "summary": "UFO's result lookup by task name (the newest task of that name)",
-                    "parameters": [{ "name": "task_name", "in": "path", "required": true, "schema": { "type": "string" } }],
-                    "responses": {
-                        "200": ok("pending or done", json!({ "type": "object", "required": ["status"], "properties": {
-                            "status": { "enum": ["pending", "done"] }, "result": {}, "state": { "type": "string" },
-                            "error": { "type": "string" }, "session_id": { "type": "string" } } })),
-                        "400": error("invalid task name"), "401": error("missing or invalid API key"), "404": error("no task of that name")
-                    }
-                }
-            },
-            "/healthz": { "get": { "summary": "The process is up", "security": [], "responses": { "200": { "description": "ok" } } } },
-            "/readyz": { "get": { "summary": "This replica leads and the database answers", "security": [], "responses": { "200": { "description": "ready" }, "503": { "description": "not ready" } } } }
+/// The OpenAPI 3.1 document of this API, generated from the handlers' annotations and types.
+pub fn openapi() -> OpenApi {
+    let mut document = OpenApiRouter::<Engine>::with_openapi(info())
+        .merge(api_routes())
+        .into_openapi();
+    aip_runtime::api_error::document(&mut document);
+    task_request_rules(&mut document);
+    add_links(&mut document);
+    document
+}
+
+fn info() -> OpenApi {
+    let mut document = OpenApi::default();
+    document.info.title = "aip-sessions".to_owned();
+    document.info.version = env!("CARGO_PKG_VERSION").to_owned();
+    document.info.description = Some(
+        "Tasks of the aip broker: submit, follow, cancel, and read results. `/api/*` needs \
+         an API key (`X-API-Key` or `Authorization: Bearer`) when keys are configured."
+            .to_owned(),
+    );
+    document.info.license = None;
+    document.info.contact = None;
+    document
+}
+
+/// The rules of a [`TaskRequest`] that its type cannot say (`new_task_from_request` enforces
+/// them), added to the body of `POST /api/tasks`: a `target_id` or at least one required
+/// capability; `steps` or `driver: true`, not both.
+fn task_request_rules(document: &mut OpenApi) {
+    use utoipa::openapi::schema::{
+        AllOfBuilder, AnyOfBuilder, ArrayBuilder, ObjectBuilder, Schema, Type,
+    };
+    use utoipa::openapi::{Ref, RefOr};
+    let Some(body) = document
+        .paths
+        .paths
+        .get_mut("/api/tasks")
+        .and_then(|item| item.post.as_mut())
+        .and_then(|post| post.request_body.as_mut())
+    else {
+        return;
+    };
+    let RefOr::T(body) = body else { return };
+    let Some(RefOr::T(content)) = body.content.get_mut("application/json") else {
+        return;
+    };
+    let with_property = |name: &str, schema: Schema, required: bool| {
+        let mut object = ObjectBuilder::new().property(name, schema);
+        if required {
+            object = object.required(name);
         }
-    })
+        Schema::Object(object.build())
+    };
+    let placement = AnyOfBuilder::new()
+        .item(with_property(
+            "target_id",
+            ObjectBuilder::new().schema_type(Type::String).build().into(),
+            true,
+        ))
+        .item(with_property(
+            "required_capabilities",
+            ArrayBuilder::new()
+                .items(ObjectBuilder::new().schema_type(Type::String))
+                .min_items(Some(1))
+                .build()
+                .into(),
+            true,
+        ))
+        .description(Some("a target or at least one capability"));
+    let plan = AnyOfBuilder::new()
+        .item(with_property(
+            "steps",
+            ObjectBuilder::new().schema_type(Type::Null).build().into(),
+            false,
+        ))
+        .item(with_property(
+            "driver",
+            ObjectBuilder::new()
+                .schema_type(Type::Boolean)
+                .enum_values(Some([false]))
+                .build()
+                .into(),
+            false,
+        ))
+        .description(Some("`steps` or `driver: true`, not both"));
+    content.schema = Some(
+        AllOfBuilder::new()
+            .item(Ref::from_schema_name("TaskRequest"))
+            .item(placement)
+            .item(plan)
+            .into(),
+    );
+}
+
+/// Links from the answers that name a task to the routes about that task, so a client (or a
+/// stateful fuzzer) can follow from a new or listed task to its state, events and changes.
+fn add_links(document: &mut OpenApi) {
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::link::LinkBuilder;
+    /// Routes about one task, by operation id, with the parameter naming it.
+    const ABOUT_A_TASK: &[&str] = &[
+        "get_task",
+        "task_events",
+        "cancel_task",
+        "send_commands",
+        "complete_task",
+    ];
+    let mut add = |path: &str, post: bool, status: &str, links: Vec<(String, &str, &str, String)>| {
+        let Some(item) = document.paths.paths.get_mut(path) else {
+            return;
+        };
+        let operation = if post { item.post.as_mut() } else { item.get.as_mut() };
+        let Some(RefOr::T(response)) =
+            operation.and_then(|o| o.responses.responses.get_mut(status))
+        else {
+            return;
+        };
+        for (name, operation_id, parameter, expression) in links {
+            response.links.insert(
+                name,
+                LinkBuilder::new()
+                    .operation_id(operation_id)
+                    .parameter(parameter, expression)
+                    .build()
+                    .into(),
+            );
+        }
+    };
+    let about = |from: &str, expression: &str| {
+        ABOUT_A_TASK
+            .iter()
+            .map(|op| (format!("{from}_{op}"), *op, "id", expression.to_owned()))
+            .collect::<Vec<_>>()
+    };
+    let mut created = about("created", "$response.body#/task_id");
+    created.push((
+        "created_ufo_task_result".to_owned(),
+        "ufo_task_result",
+        "task_name",
+        "$response.body#/task_name".to_owned(),
+    ));
+    add("/api/tasks", true, "201", created);
+    let mut listed = about("listed", "$response.body#/tasks/0/task_id");
+    listed.push((
+        "next_page".to_owned(),
+        "list_tasks",
+        "cursor",
+        "$response.body#/next_cursor".to_owned(),
+    ));
+    add("/api/tasks", false, "200", listed);
+    add("/api/dispatch", true, "200", {
+        let mut dispatched = about("dispatched", "$response.body#/session_id");
+        dispatched.push((
+            "dispatched_ufo_task_result".to_owned(),
+            "ufo_task_result",
+            "task_name",
+            "$response.body#/task_name".to_owned(),
+        ));
+        dispatched
+    });
 }

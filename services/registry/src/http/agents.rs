@@ -31,6 +31,7 @@ pub struct ListQuery {
     /// Only agents of this type (`client_type` is the same).
     r#type: Option<ClientType>,
     /// At most this many agents (default 1000; more than 10000 answers 10000).
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295_u64)]
     limit: Option<u32>,
 }
 

@@ -115,7 +115,7 @@ fn add_links(document: &mut OpenApi) {
     }
 }
 
-/// The body of UFO's `GET /api/clients` (answered by [`health::clients`]).
+/// The body of UFO's `GET /api/clients`, as documented (`health::clients` answers it).
 #[derive(utoipa::ToSchema)]
 #[schema(as = OnlineClients)]
 #[allow(dead_code)]
@@ -124,7 +124,7 @@ struct OnlineClientsBody {
     online_clients: Vec<String>,
 }
 
-/// The body of UFO's `GET /api/health` (answered by [`health::health`]).
+/// The body of UFO's `GET /api/health`, as documented (`health::health` answers it).
 #[derive(utoipa::ToSchema)]
 #[schema(as = UfoHealth)]
 #[allow(dead_code)]
