@@ -5,6 +5,9 @@
 //! [`ApiError`]: `{"detail": …, "error_code": …}` with the status of its code. The OpenAPI
 //! document is [`openapi`], generated from the handlers' annotations and types, served at
 //! `/openapi.json` and checked in as `services/sessions/openapi.json`.
+//!
+//! PostgreSQL text cannot hold NUL (U+0000): a NUL in a body's text is stored as U+FFFD, and
+//! an id or filter with NUL matches nothing without asking the database.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -121,11 +124,67 @@ const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable;
 )]
 async fn create_task(
     State(engine): State<Engine>,
-    JsonBody(request): JsonBody<TaskRequest>,
+    JsonBody(body): JsonBody<Value>,
 ) -> Result<Response, ApiError> {
+    let request: TaskRequest = read_body(whole_numbers(body, WHOLE_NUMBER_FIELDS))?;
     let new = new_task_from_request(request, Requester::Rest)?;
     let started = engine.submit(new).await?;
     Ok((StatusCode::CREATED, Json(started.task.view())).into_response())
+}
+
+/// The whole-number fields of a [`TaskRequest`].
+const WHOLE_NUMBER_FIELDS: &[&str] = &["version", "priority", "timeout_secs"];
+
+/// JSON has one number type: `1.0` is the integer 1 to JSON Schema (and to the document), so
+/// `fields` of the body object written with a zero fraction are read as integers.
+fn whole_numbers(mut body: Value, fields: &[&str]) -> Value {
+    if let Some(object) = body.as_object_mut() {
+        for field in fields {
+            if let Some(value) = object.get_mut(*field)
+                && let Some(whole) = as_whole_number(value)
+            {
+                *value = whole;
+            }
+        }
+    }
+    body
+}
+
+/// `value` as an integer, if it is a number with a zero fraction within `i64` or `u64`.
+fn as_whole_number(value: &Value) -> Option<Value> {
+    let Value::Number(number) = value else {
+        return None;
+    };
+    if number.is_i64() || number.is_u64() {
+        return None;
+    }
+    let float = number.as_f64()?;
+    if float.fract() != 0.0 {
+        return None;
+    }
+    // `as` saturates; the round trip tells an exact conversion from a saturated one.
+    if float < 0.0 {
+        let whole = float as i64;
+        (whole as f64 == float).then(|| Value::from(whole))
+    } else {
+        let whole = float as u64;
+        (whole as f64 == float).then(|| Value::from(whole))
+    }
+}
+
+/// serde: an optional whole number that may be written with a zero fraction (`60.0`).
+fn optional_whole_number<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    let Some(value) = Option::<Value>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    let value = as_whole_number(&value).unwrap_or(value);
+    T::deserialize(value)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
 /// Query of `GET /api/tasks`.
@@ -142,7 +201,7 @@ struct ListQuery {
     /// Only tasks with this name.
     task_name: Option<String>,
     /// `next_cursor` of the previous page, as given.
-    #[param(pattern = "^[0-9]{1,18}:")]
+    #[param(pattern = "^[0-9]{1,18}:[^\\u0000]*$")]
     cursor: Option<String>,
     /// At most this many (default 50; 0 counts as 1, more than 500 as 500).
     #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295_u64)]
@@ -168,6 +227,9 @@ struct TaskPage {
 /// Parses a cursor `created_ms:task_id` (what `next_cursor` gives).
 fn parse_cursor(cursor: &str) -> Option<(i64, String)> {
     let (ms, id) = cursor.split_once(':')?;
+    if id.contains(NUL) {
+        return None;
+    }
     let digits_only = !ms.is_empty()
         && ms.len() <= CURSOR_MS_DIGITS
         && ms.bytes().all(|b| b.is_ascii_digit());
@@ -206,6 +268,14 @@ async fn list_tasks(
         })?),
     };
     let limit = i64::from(q.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE));
+    let filters = [&q.executor, &q.requester, &q.task_name];
+    if filters.iter().any(|f| f.as_deref().is_some_and(|f| f.contains(NUL))) {
+        // No stored text holds NUL: nothing matches.
+        return Ok(Json(TaskPage {
+            tasks: Vec::new(),
+            next_cursor: None,
+        }));
+    }
     let filter = ListFilter {
         state: q.state,
         executor: q.executor,
@@ -242,12 +312,55 @@ async fn get_task(
     State(engine): State<Engine>,
     Path(id): Path<String>,
 ) -> Result<Json<TaskView>, ApiError> {
+    possible_id(&id)?;
     let task = engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
     Ok(Json(task.view()))
 }
 
 fn not_found(id: &str) -> ApiError {
     ApiError::not_found(format!("no task '{id}'"))
+}
+
+/// NUL (U+0000): PostgreSQL text cannot hold it, so no stored id or name contains it, and a
+/// query naming one is not sent to the database.
+const NUL: char = '\0';
+/// What a NUL in a body's text is stored as ([`storable`]).
+const NUL_REPLACEMENT: &str = "\u{FFFD}";
+
+/// Refuses an id no task can have (it contains NUL) before it reaches the database.
+fn possible_id(id: &str) -> Result<(), ApiError> {
+    if id.contains(NUL) {
+        return Err(not_found(id));
+    }
+    Ok(())
+}
+
+/// A body as `T`, its text made storable: NUL in any string or key becomes U+FFFD
+/// (PostgreSQL text and jsonb cannot hold NUL; the document says so).
+fn read_body<T: serde::de::DeserializeOwned>(mut body: Value) -> Result<T, ApiError> {
+    storable(&mut body);
+    serde_json::from_value(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+}
+
+fn storable(value: &mut Value) {
+    match value {
+        Value::String(text) if text.contains(NUL) => {
+            *text = text.replace(NUL, NUL_REPLACEMENT);
+        }
+        Value::Array(items) => items.iter_mut().for_each(storable),
+        Value::Object(object) => {
+            if object.keys().any(|k| k.contains(NUL)) {
+                let entries = std::mem::take(object);
+                for (key, mut item) in entries {
+                    storable(&mut item);
+                    object.insert(key.replace(NUL, NUL_REPLACEMENT), item);
+                }
+            } else {
+                object.values_mut().for_each(storable);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Query of the event routes.
@@ -313,6 +426,7 @@ async fn task_events(
 ) -> Result<Json<TaskEvents>, ApiError> {
     let after = q.after()?;
     let limit = i64::from(q.limit.unwrap_or(DEFAULT_EVENTS).clamp(1, MAX_EVENTS));
+    possible_id(&id)?;
     engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
     let events = engine.store.events(&id, after, limit).await?;
     Ok(Json(TaskEvents {
@@ -334,7 +448,7 @@ async fn task_events(
         ("Last-Event-ID" = Option<String>, Header, description = "resume after this sequence number (wins over `after`; ignored unless a whole number)"),
     ),
     responses(
-        (status = 200, description = "an event stream; each event's id is its sequence number, its data a TaskEvent", content_type = "text/event-stream", body = String),
+        (status = 200, description = "an event stream, one event per log entry", content_type = "text/event-stream", body = StreamedEvent),
         (status = 400, description = "a negative `after`", body = ErrorBody),
         (status = 404, description = NO_TASK, body = ErrorBody),
         (status = 503, description = DATABASE_DOWN, body = ErrorBody),
@@ -347,6 +461,7 @@ async fn task_event_stream(
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let after = q.after()?;
+    possible_id(&id)?;
     engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
     let last_id = headers
         .get("last-event-id")
@@ -385,6 +500,21 @@ async fn task_event_stream(
     Ok(Sse::new(stream.flatten()).keep_alive(KeepAlive::default()))
 }
 
+/// One Server-Sent Event of `GET /api/tasks/{id}/events/stream`, as the document describes it
+/// (the stream is written by [`sse_event`]).
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+struct StreamedEvent {
+    /// The entry's sequence number.
+    #[schema(pattern = "^[0-9]+$")]
+    id: String,
+    /// The entry's kind (`submitted`, `dispatched`, …).
+    event: String,
+    /// The entry, a TaskEvent as JSON.
+    #[schema(content_media_type = "application/json")]
+    data: String,
+}
+
 /// One log entry as a Server-Sent Event; `None` (logged) if it cannot be written as JSON.
 fn sse_event(event: &TaskEvent) -> Option<Event> {
     match Event::default()
@@ -418,7 +548,7 @@ struct CancelBody {
     operation_id = "cancel_task",
     tag = "tasks",
     params(("id" = String, Path, description = "the task id")),
-    request_body(content = Option<CancelBody>, description = "optional"),
+    request_body(content = Option<CancelBody>, description = "optional; `null` is no body"),
     responses(
         (status = 200, description = "the canceled task", body = TaskView),
         (status = 404, description = NO_TASK, body = ErrorBody),
@@ -429,10 +559,15 @@ struct CancelBody {
 async fn cancel_task(
     State(engine): State<Engine>,
     Path(id): Path<String>,
-    body: Option<JsonBody<CancelBody>>,
+    body: Option<JsonBody<Value>>,
 ) -> Result<Json<TaskView>, ApiError> {
+    possible_id(&id)?;
+    let body: Option<CancelBody> = match body {
+        Some(JsonBody(body)) => read_body(body)?,
+        None => None,
+    };
     let reason = body
-        .and_then(|JsonBody(b)| b.reason)
+        .and_then(|b| b.reason)
         .unwrap_or_else(|| "requested over REST".to_owned());
     let task = engine.cancel(&id, &reason).await?;
     Ok(Json(task.view()))
@@ -453,6 +588,7 @@ struct CommandsBody {
     root_name: Option<String>,
     /// How long to wait for the results (default 60 s; 0 counts as 1, more than 600 as 600).
     #[schema(value_type = Option<i64>, minimum = 0, maximum = 4294967295_u64)]
+    #[serde(default, deserialize_with = "optional_whole_number")]
     timeout_secs: Option<u32>,
 }
 
@@ -496,8 +632,10 @@ struct CommandResults {
 async fn send_commands(
     State(engine): State<Engine>,
     Path(id): Path<String>,
-    JsonBody(body): JsonBody<CommandsBody>,
+    JsonBody(body): JsonBody<Value>,
 ) -> Result<Json<CommandResults>, ApiError> {
+    possible_id(&id)?;
+    let body: CommandsBody = read_body(body)?;
     if body.actions.is_empty() {
         return Err(ApiError::invalid("`actions` must not be empty"));
     }
@@ -582,8 +720,10 @@ struct CompleteBody {
 async fn complete_task(
     State(engine): State<Engine>,
     Path(id): Path<String>,
-    JsonBody(body): JsonBody<CompleteBody>,
+    JsonBody(body): JsonBody<Value>,
 ) -> Result<Json<TaskView>, ApiError> {
+    possible_id(&id)?;
+    let body: CompleteBody = read_body(body)?;
     let task = engine.complete(&id, body.result, body.error).await?;
     Ok(Json(task.view()))
 }
@@ -639,8 +779,9 @@ struct Dispatched {
 )]
 async fn ufo_dispatch(
     State(engine): State<Engine>,
-    JsonBody(body): JsonBody<Value>,
+    JsonBody(mut body): JsonBody<Value>,
 ) -> Result<Json<Dispatched>, ApiError> {
+    storable(&mut body);
     let Some(object) = body.as_object() else {
         let body = ErrorBody::new(ErrorCode::InvalidRequest, "the body must be a JSON object");
         return Err(ApiError::WithStatus(StatusCode::UNPROCESSABLE_ENTITY, body));
@@ -773,7 +914,8 @@ fn info() -> OpenApi {
     document.info.version = env!("CARGO_PKG_VERSION").to_owned();
     document.info.description = Some(
         "Tasks of the aip broker: submit, follow, cancel, and read results. `/api/*` needs \
-         an API key (`X-API-Key` or `Authorization: Bearer`) when keys are configured."
+         an API key (`X-API-Key` or `Authorization: Bearer`) when keys are configured. \
+         A NUL (U+0000) in the text of a body is stored as U+FFFD."
             .to_owned(),
     );
     document.info.license = None;

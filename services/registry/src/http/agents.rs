@@ -16,6 +16,9 @@ use crate::store::AgentFilter;
 pub const DEFAULT_LIST_LIMIT: u32 = 1000;
 /// Listing never answers more than this many agents.
 pub const MAX_LIST_LIMIT: u32 = 10_000;
+/// NUL (U+0000): PostgreSQL text cannot hold it, so no stored id or capability contains it,
+/// and a query naming one is answered without asking the database.
+const NUL: char = '\0';
 
 /// The query of `GET /api/agents`, as documented. The handler reads the pairs itself
 /// ([`parse_filter`]): a capability may repeat, and an unknown key is refused, not ignored.
@@ -53,6 +56,10 @@ pub async fn list(
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Json<Vec<AgentRecord>>, ApiError> {
     let filter = parse_filter(&pairs)?;
+    if filter.capabilities.iter().any(|c| c.contains(NUL)) {
+        // No stored capability holds NUL: no agent matches.
+        return Ok(Json(Vec::new()));
+    }
     Ok(Json(state.store.list(&filter).await?))
 }
 
@@ -73,6 +80,9 @@ pub async fn get(
     State(state): State<AppState>,
     Path(agent_id): Path<String>,
 ) -> Result<Json<AgentRecord>, ApiError> {
+    if agent_id.contains(NUL) {
+        return Err(ApiError::from(not_found(&agent_id)));
+    }
     match state.store.get(&agent_id).await? {
         Some(agent) => Ok(Json(agent)),
         None => Err(ApiError::from(not_found(&agent_id))),
