@@ -14,6 +14,7 @@
 #   DATABASE_URL         postgres://postgres@127.0.0.1:5432/postgres (a database is created
 #                        beside it and dropped at the end)
 #   AIP_FUZZ_EXAMPLES    test cases per operation and phase (default 40)
+#   AIP_FUZZ_SEED        the random seed (default 20: CI runs are reproducible)
 #   AIP_FUZZ_VENV        where the venv goes (default ${XDG_CACHE_HOME:-~/.cache}/aip/schemathesis)
 #   CARGO_TARGET_DIR     where cargo builds (default target/)
 # Works from any directory. Logs of the services are kept in a temporary directory, printed
@@ -131,18 +132,23 @@ echo_step='[[{"tool_name": "echo", "tool_type": "action", "parameters": {"text":
 submit "{\"version\": 1, \"description\": \"say hi\", \"originating_agent_id\": \"fuzz\", \"target_id\": \"$DEVICE_ID\", \"task_name\": \"fuzz-echo\", \"steps\": $echo_step}"
 submit "{\"version\": 1, \"description\": \"driven\", \"originating_agent_id\": \"fuzz\", \"required_capabilities\": [\"demo\"], \"driver\": true}"
 
+# Each service's settings of the fuzzer (scripts/schemathesis-<name>.toml), if it has some.
 run_fuzzer() {
-  local name="$1" port="$2"
+  local name="$1" port="$2" config=()
+  if [[ -f "scripts/schemathesis-$name.toml" ]]; then
+    config=(--config-file "$ROOT/scripts/schemathesis-$name.toml")
+  fi
   step "schemathesis: $name (http://127.0.0.1:$port/openapi.json)"
-  "$VENV/bin/schemathesis" --config-file scripts/schemathesis.toml run \
+  # From the temporary directory: schemathesis keeps a cache in its working directory.
+  (cd "$WORK" && "$VENV/bin/schemathesis" "${config[@]}" run \
     "http://127.0.0.1:$port/openapi.json" \
     --url "http://127.0.0.1:$port" \
     --checks all \
     --header "X-API-Key: $KEY" \
     --max-examples "$EXAMPLES" \
     --request-timeout "$REQUEST_TIMEOUT_SECS" \
-    --seed 20 \
-    --no-color
+    --seed "${AIP_FUZZ_SEED:-20}" \
+    --no-color)
 }
 status=0
 run_fuzzer registry "$registry_port" || status=1

@@ -4,7 +4,8 @@
 #   1. scripts/ensure-services.sh  (NATS with JetStream, PostgreSQL; starts or installs them)
 #      and the Python packages of the examples' tests (pip, scripts/python-requirements.txt)
 #   2. cargo test --workspace --locked [args]   (without --workspace when args pick packages with -p)
-#   3. validates proto-schemas/asyncapi.json with the AsyncAPI parser
+#   3. scripts/schemathesis.sh: schemathesis against both services' REST APIs, 0 failures
+#   4. validates proto-schemas/asyncapi.json with the AsyncAPI parser
 #      (scripts/validate-asyncapi, installed with `npm ci` on first use)
 #
 # Environment (defaults are used only when the variable is unset):
@@ -63,6 +64,9 @@ done
 step "cargo test${scope[*]:+ ${scope[*]}} --locked $*"
 printf 'NATS_URL=%s DATABASE_URL=%s SQLX_OFFLINE=%s\n' "$NATS_URL" "$DATABASE_URL" "$SQLX_OFFLINE"
 cargo test "${scope[@]}" --locked "$@"
+
+step "REST fuzzing: schemathesis against the session service and the registry"
+scripts/schemathesis.sh
 
 step "AsyncAPI validation ($ASYNCAPI_DOC)"
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then

@@ -44,7 +44,9 @@ impl<T> From<Result<T, ErrorBody>> for Reply<T> {
 }
 
 /// An agent's availability.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum AgentStatus {
     /// Connected and ready for work.

@@ -63,7 +63,9 @@ pub struct ConnectionClosed {
 }
 
 /// The state of a task. `completed`, `failed`, `canceled` and `rejected` are terminal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskState {
     /// Accepted, waiting for its executor to be free.

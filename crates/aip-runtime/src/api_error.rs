@@ -19,9 +19,7 @@ use axum::response::{IntoResponse, Response};
 use proto_schemas::{ErrorBody, ErrorCode};
 use serde::de::DeserializeOwned;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::openapi::{
-    ContentBuilder, OpenApi, Ref, RefOr, ResponseBuilder, SecurityRequirement,
-};
+use utoipa::openapi::{ContentBuilder, OpenApi, Ref, RefOr, ResponseBuilder, SecurityRequirement};
 
 /// Why a REST request failed.
 #[derive(Debug, thiserror::Error)]
@@ -324,7 +322,8 @@ fn add_probes(openapi: &mut OpenApi) {
             .tag("probes")
             .securities(Some(Vec::<SecurityRequirement>::new()));
         for (status, description) in answers {
-            operation = operation.response(*status, ResponseBuilder::new().description(*description));
+            operation =
+                operation.response(*status, ResponseBuilder::new().description(*description));
         }
         PathItem::new(HttpMethod::Get, operation)
     };

@@ -550,11 +550,19 @@ mod tests {
     fn one_document_has_every_route_of_both_services() {
         let document = serde_json::to_value(openapi()).expect("serialises");
         let paths = document["paths"].as_object().expect("paths");
-        for path in ["/api/tasks", "/api/dispatch", "/api/agents/{id}", "/api/clients"] {
+        for path in [
+            "/api/tasks",
+            "/api/dispatch",
+            "/api/agents/{id}",
+            "/api/clients",
+        ] {
             assert!(paths.contains_key(path), "{path}");
         }
         for name in ["TaskView", "AgentRecord", "ErrorBody"] {
-            assert!(document["components"]["schemas"].get(name).is_some(), "{name}");
+            assert!(
+                document["components"]["schemas"].get(name).is_some(),
+                "{name}"
+            );
         }
     }
 

@@ -101,9 +101,9 @@ async fn ready(State(engine): State<Engine>) -> Response {
     }
 }
 
-/// Error responses of the task routes, by status (each body an [`ErrorBody`]).
+/// The 404 of the routes about one task.
 const NO_TASK: &str = "no task with this id";
-/// Said of every route that reads or writes the task database.
+/// The 503 of every route that reads or writes the task database.
 const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable; retry";
 
 /// Submits a task to an explicit target or to an agent with the required capabilities.
@@ -112,7 +112,17 @@ const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable;
     path = "/api/tasks",
     operation_id = "create_task",
     tag = "tasks",
-    request_body(content = TaskRequest, description = "give `target_id` or `required_capabilities`; `steps` or `driver: true`, not both"),
+    request_body(
+        content = TaskRequest,
+        description = "give `target_id` or `required_capabilities`; `steps` or `driver: true`, not both",
+        example = json!({
+            "version": 1,
+            "description": "say hi",
+            "originating_agent_id": "me",
+            "required_capabilities": ["demo"],
+            "steps": [[{ "tool_name": "echo", "tool_type": "action", "parameters": { "text": "hi" } }]]
+        })
+    ),
     responses(
         (status = 201, description = "the task, dispatched or queued", body = TaskView),
         (status = 400, description = "invalid request", body = ErrorBody),
@@ -162,13 +172,15 @@ fn as_whole_number(value: &Value) -> Option<Value> {
     if float.fract() != 0.0 {
         return None;
     }
-    // `as` saturates; the round trip tells an exact conversion from a saturated one.
-    if float < 0.0 {
-        let whole = float as i64;
-        (whole as f64 == float).then(|| Value::from(whole))
+    // 2^64 and -2^63 are exact in f64; within these bounds `as` converts exactly.
+    const U64_END: f64 = 18_446_744_073_709_551_616.0;
+    const I64_START: f64 = -9_223_372_036_854_775_808.0;
+    if (0.0..U64_END).contains(&float) {
+        Some(Value::from(float as u64))
+    } else if (I64_START..0.0).contains(&float) {
+        Some(Value::from(float as i64))
     } else {
-        let whole = float as u64;
-        (whole as f64 == float).then(|| Value::from(whole))
+        None
     }
 }
 
@@ -230,9 +242,8 @@ fn parse_cursor(cursor: &str) -> Option<(i64, String)> {
     if id.contains(NUL) {
         return None;
     }
-    let digits_only = !ms.is_empty()
-        && ms.len() <= CURSOR_MS_DIGITS
-        && ms.bytes().all(|b| b.is_ascii_digit());
+    let digits_only =
+        !ms.is_empty() && ms.len() <= CURSOR_MS_DIGITS && ms.bytes().all(|b| b.is_ascii_digit());
     if !digits_only {
         return None;
     }
@@ -263,13 +274,17 @@ async fn list_tasks(
     }
     let cursor = match &q.cursor {
         None => None,
-        Some(c) => Some(parse_cursor(c).ok_or_else(|| {
-            ApiError::invalid("invalid cursor: use next_cursor as given")
-        })?),
+        Some(c) => Some(
+            parse_cursor(c)
+                .ok_or_else(|| ApiError::invalid("invalid cursor: use next_cursor as given"))?,
+        ),
     };
     let limit = i64::from(q.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE));
     let filters = [&q.executor, &q.requester, &q.task_name];
-    if filters.iter().any(|f| f.as_deref().is_some_and(|f| f.contains(NUL))) {
+    if filters
+        .iter()
+        .any(|f| f.as_deref().is_some_and(|f| f.contains(NUL)))
+    {
         // No stored text holds NUL: nothing matches.
         return Ok(Json(TaskPage {
             tasks: Vec::new(),
@@ -737,7 +752,9 @@ struct DispatchRequest {
     #[schema(min_length = 1)]
     client_id: String,
     /// What to do, in words; not blank.
-    #[schema(pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")]
+    #[schema(
+        pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+    )]
     request: String,
     /// A name for the task (`[A-Za-z0-9._-]`, not starting with `.`); the result lookup uses it.
     #[schema(nullable = false, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]*$")]
@@ -804,12 +821,13 @@ async fn ufo_dispatch(
             ));
         }
     };
-    let plan = match object.get("steps") {
-        Some(steps) => Plan::Scripted(serde_json::from_value(steps.clone()).map_err(|e| {
-            ApiError::invalid(format!("`steps` must be lists of Commands: {e}"))
-        })?),
-        None => Plan::Remote,
-    };
+    let plan =
+        match object.get("steps") {
+            Some(steps) => Plan::Scripted(serde_json::from_value(steps.clone()).map_err(|e| {
+                ApiError::invalid(format!("`steps` must be lists of Commands: {e}"))
+            })?),
+            None => Plan::Remote,
+        };
     let new = NewTask {
         task_id: None,
         task_name,
@@ -954,7 +972,10 @@ fn task_request_rules(document: &mut OpenApi) {
     let placement = AnyOfBuilder::new()
         .item(with_property(
             "target_id",
-            ObjectBuilder::new().schema_type(Type::String).build().into(),
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .build()
+                .into(),
             true,
         ))
         .item(with_property(
@@ -1005,27 +1026,32 @@ fn add_links(document: &mut OpenApi) {
         "send_commands",
         "complete_task",
     ];
-    let mut add = |path: &str, post: bool, status: &str, links: Vec<(String, &str, &str, String)>| {
-        let Some(item) = document.paths.paths.get_mut(path) else {
-            return;
+    let mut add =
+        |path: &str, post: bool, status: &str, links: Vec<(String, &str, &str, String)>| {
+            let Some(item) = document.paths.paths.get_mut(path) else {
+                return;
+            };
+            let operation = if post {
+                item.post.as_mut()
+            } else {
+                item.get.as_mut()
+            };
+            let Some(RefOr::T(response)) =
+                operation.and_then(|o| o.responses.responses.get_mut(status))
+            else {
+                return;
+            };
+            for (name, operation_id, parameter, expression) in links {
+                response.links.insert(
+                    name,
+                    LinkBuilder::new()
+                        .operation_id(operation_id)
+                        .parameter(parameter, expression)
+                        .build()
+                        .into(),
+                );
+            }
         };
-        let operation = if post { item.post.as_mut() } else { item.get.as_mut() };
-        let Some(RefOr::T(response)) =
-            operation.and_then(|o| o.responses.responses.get_mut(status))
-        else {
-            return;
-        };
-        for (name, operation_id, parameter, expression) in links {
-            response.links.insert(
-                name,
-                LinkBuilder::new()
-                    .operation_id(operation_id)
-                    .parameter(parameter, expression)
-                    .build()
-                    .into(),
-            );
-        }
-    };
     let about = |from: &str, expression: &str| {
         ABOUT_A_TASK
             .iter()
@@ -1058,4 +1084,41 @@ fn add_links(document: &mut OpenApi) {
         ));
         dispatched
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn whole_numbers_written_with_a_fraction_are_integers() {
+        let body = whole_numbers(
+            json!({ "version": 1.0, "priority": -3.0, "timeout_secs": 2.5, "data": 1.0 }),
+            WHOLE_NUMBER_FIELDS,
+        );
+        assert_eq!(
+            body,
+            json!({ "version": 1, "priority": -3, "timeout_secs": 2.5, "data": 1.0 })
+        );
+        assert_eq!(as_whole_number(&json!(1.8446744073709552e19)), None);
+    }
+
+    #[test]
+    fn cursors_are_what_next_cursor_gives() {
+        assert_eq!(parse_cursor("17:a:b"), Some((17, "a:b".to_owned())));
+        for bad in ["x:1", ":1", "1234567890123456789:a", "1", "1:a\0"] {
+            assert_eq!(parse_cursor(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn nul_is_stored_as_the_replacement_character() {
+        let mut body = json!({ "a\u{0}": ["x\u{0}y", { "k": "\u{0}" }], "n": 1 });
+        storable(&mut body);
+        assert_eq!(
+            body,
+            json!({ "a\u{FFFD}": ["x\u{FFFD}y", { "k": "\u{FFFD}" }], "n": 1 })
+        );
+    }
 }

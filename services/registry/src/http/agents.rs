@@ -120,9 +120,7 @@ fn parse_filter(pairs: &[(String, String)]) -> Result<AgentFilter, ApiError> {
             }
             "limit" => {
                 let limit: u32 = value.parse().map_err(|_| {
-                    ApiError::invalid(format!(
-                        "invalid limit `{value}`: expected a whole number"
-                    ))
+                    ApiError::invalid(format!("invalid limit `{value}`: expected a whole number"))
                 })?;
                 filter.limit = limit.min(MAX_LIST_LIMIT);
             }
