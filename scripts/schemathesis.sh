@@ -32,7 +32,7 @@ die() {
 
 NATS_URL="${NATS_URL:-nats://127.0.0.1:4222}"
 DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-# 40 cases per operation and phase keeps both runs well under two minutes on 2 cores.
+# 40 cases per operation and phase: both runs take about a minute on 2 cores.
 EXAMPLES="${AIP_FUZZ_EXAMPLES:-40}"
 VENV="${AIP_FUZZ_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/aip/schemathesis}"
 REQUIREMENTS="scripts/schemathesis-requirements.txt"
