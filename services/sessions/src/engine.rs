@@ -29,10 +29,12 @@ use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, T
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::machine::{Machine, Refusal};
+use crate::machine::{CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::settings::SessionSettings;
-use crate::store::{OutFrame, StoreError, TaskRow, TaskStore, now_ms};
+use crate::store::{OutFrame, StoreError, TaskStore};
+use crate::task::{Task, now_ms};
+use crate::workers::PlannerError;
 
 /// Why a change could not be made. Transient errors are retried (a frame is redelivered);
 /// the rest are reported to whoever asked.
@@ -55,8 +57,8 @@ impl EngineError {
 /// What was created.
 #[derive(Debug, Clone)]
 pub struct Started {
-    /// The task.
-    pub task: TaskRow,
+    /// The task as its creation committed it.
+    pub task: Task,
 }
 
 /// How an op ended, as the applier reports it.
@@ -84,18 +86,18 @@ pub(crate) enum Op {
     /// A task from REST or NATS.
     Submit {
         prepared: Box<Prepared>,
-        reply: Reply<TaskRow>,
+        reply: Reply<Task>,
     },
     /// The remote planner's answer.
     Planned {
         task_id: String,
         step: i32,
-        decision: PlanStep,
+        decision: Result<PlanStep, PlannerError>,
     },
     /// Commands into a driven task.
     Commands {
         task_id: String,
-        step: PlanStep,
+        step: CommandStep,
         reply: Reply<(String, i64)>,
     },
     /// A driven task ends.
@@ -103,13 +105,13 @@ pub(crate) enum Op {
         task_id: String,
         result: Option<serde_json::Value>,
         error: Option<String>,
-        reply: Reply<TaskRow>,
+        reply: Reply<Task>,
     },
     /// A task is canceled.
     Cancel {
         task_id: String,
         reason: String,
-        reply: Reply<TaskRow>,
+        reply: Reply<Task>,
     },
 }
 
@@ -118,7 +120,7 @@ pub(crate) enum Op {
 #[allow(clippy::large_enum_variant)]
 enum Waiter {
     Unit(Reply<()>, Result<(), Refusal>),
-    Task(Reply<TaskRow>, Result<TaskRow, Refusal>),
+    Task(Reply<Task>, Result<Task, Refusal>),
     Sent(Reply<(String, i64)>, Result<(String, i64), Refusal>),
 }
 
@@ -263,7 +265,10 @@ impl Engine {
                 match self.store.get(&task_id).await? {
                     Some(task) => Err(EngineError::refused(
                         ErrorCode::Conflict,
-                        format!("task '{task_id}' has already ended ({})", task.state),
+                        format!(
+                            "task '{task_id}' has already ended ({})",
+                            task.state().as_str()
+                        ),
                     )),
                     None => Err(EngineError::refused(
                         ErrorCode::NotFound,
@@ -296,6 +301,24 @@ impl Engine {
         task_id: &str,
         step: PlanStep,
     ) -> Result<(String, i64), EngineError> {
+        let PlanStep::Commands {
+            actions,
+            agent_name,
+            process_name,
+            root_name,
+        } = step
+        else {
+            return Err(EngineError::refused(
+                ErrorCode::InvalidRequest,
+                "a driver sends commands; it ends its task with `complete`",
+            ));
+        };
+        let step = CommandStep {
+            actions,
+            agent_name,
+            process_name,
+            root_name,
+        };
         let task_id = task_id.to_owned();
         let result = self
             .apply(|reply| Op::Commands {
@@ -313,7 +336,7 @@ impl Engine {
         task_id: &str,
         result: Option<serde_json::Value>,
         error: Option<String>,
-    ) -> Result<TaskRow, EngineError> {
+    ) -> Result<Task, EngineError> {
         let task_id = task_id.to_owned();
         let result = self
             .apply(|reply| Op::Complete {
@@ -327,7 +350,7 @@ impl Engine {
     }
 
     /// Cancels a live task; the executor and a client requester are told.
-    pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<TaskRow, EngineError> {
+    pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<Task, EngineError> {
         let task_id = task_id.to_owned();
         let reason = reason.to_owned();
         let result = self
@@ -466,7 +489,13 @@ impl Engine {
         subject: String,
         body: &Req,
     ) -> Result<Rep, ErrorBody> {
-        let payload = serde_json::to_vec(body).unwrap_or_default();
+        let payload = serde_json::to_vec(body).map_err(|e| {
+            tracing::error!("a registry request could not be encoded: {e}");
+            ErrorBody::new(
+                ErrorCode::Internal,
+                format!("a registry request could not be encoded: {e}"),
+            )
+        })?;
         let timeout = Duration::from_millis(self.settings.request_timeout_ms);
         match self
             .bus
@@ -519,18 +548,19 @@ impl Engine {
                         ErrorCode::NotFound,
                         format!("{kind} for unknown session '{task_id}'"),
                     ),
-                    Some(task) if task.executor_id.as_deref() != Some(&inbound.client_id) => {
-                        ErrorBody::new(
-                            ErrorCode::Forbidden,
-                            format!(
-                                "{kind} refused: '{}' is not the executor of session '{task_id}'",
-                                inbound.client_id
-                            ),
-                        )
-                    }
+                    Some(task) if task.executor.id != inbound.client_id => ErrorBody::new(
+                        ErrorCode::Forbidden,
+                        format!(
+                            "{kind} refused: '{}' is not the executor of session '{task_id}'",
+                            inbound.client_id
+                        ),
+                    ),
                     Some(task) => ErrorBody::new(
                         ErrorCode::Conflict,
-                        format!("session '{task_id}' has already ended ({})", task.state),
+                        format!(
+                            "session '{task_id}' has already ended ({})",
+                            task.state().as_str()
+                        ),
                     ),
                 }
             }
@@ -560,7 +590,13 @@ impl Engine {
 
     /// Publishes a frame to a client directly (for refusals, which change no task).
     async fn notify(&self, client_id: &str, frame: &ServerMessage) {
-        let payload = serde_json::to_vec(frame).unwrap_or_default();
+        let payload = match serde_json::to_vec(frame) {
+            Ok(payload) => payload,
+            Err(e) => {
+                tracing::error!(client = %client_id, "a refusal could not be encoded and is not sent: {e}");
+                return;
+            }
+        };
         if let Err(e) = self
             .bus
             .publish(
@@ -648,17 +684,15 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
         },
         None => Plan::Remote,
     };
+    let requester = Requester::Client {
+        id: inbound.client_id.clone(),
+        client_type: inbound.client_type,
+    };
+    let request = frame.request.clone().unwrap_or_default();
     let new = NewTask {
         task_id: frame.session_id.clone().filter(|s| !s.is_empty()),
         task_name: Some(sanitize_task_name(frame.task_name.as_deref())),
-        request: frame.request.clone().unwrap_or_default(),
         data: frame.metadata_value("data").cloned(),
-        requester: Requester::Client {
-            id: inbound.client_id.clone(),
-            client_type: inbound.client_type,
-        },
-        placement,
-        plan,
         priority: frame
             .metadata_value("priority")
             .and_then(serde_json::Value::as_i64)
@@ -668,7 +702,7 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
         timeout_secs: frame
             .metadata_value("timeout_secs")
             .and_then(serde_json::Value::as_u64),
-        ufo_dispatch: false,
+        ..NewTask::new(request, requester, placement, plan)
     };
     (echo_name, Ok(new))
 }
@@ -932,6 +966,9 @@ pub fn sanitize_task_name(name: Option<&str>) -> String {
         trimmed.to_owned()
     }
 }
+
+/// What a task name must be, as UFO's server says when it refuses one.
+pub const TASK_NAME_RULE: &str = "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'";
 
 /// Whether a task name is acceptable over HTTP (UFO refuses, rather than cleans, bad ones).
 pub fn valid_task_name(name: &str) -> bool {
