@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use crate::machine::{CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::settings::SessionSettings;
-use crate::store::{OutFrame, StoreError, TaskStore};
+use crate::store::{OutFrame, StoreError, TaskStore, Writer};
 use crate::task::{Task, now_ms};
 use crate::workers::PlannerError;
 
@@ -175,7 +175,7 @@ impl Engine {
         settings: SessionSettings,
     ) -> (Self, Applier) {
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
-        let (tx, rx) = mpsc::channel(settings.max_in_flight.max(64) * 2);
+        let (tx, rx) = mpsc::channel(settings.max_in_flight.max(MIN_IN_FLIGHT) * OP_QUEUE_FACTOR);
         let engine = Engine {
             store,
             bus,
@@ -719,28 +719,22 @@ pub async fn run_applier(
 ) {
     let mut ops = applier.ops;
     let lock_name = format!("aip-sessions:{}", engine.subjects.prefix());
-    let retry = Duration::from_millis(engine.settings.standby_retry_ms.max(10));
-    let (frames_tx, frames_rx) = mpsc::channel::<Vec<OutFrame>>(256);
-    let (plans_tx, plans_rx) = mpsc::channel(engine.settings.max_in_flight.max(64) * 4);
+    let retry = Duration::from_millis(engine.settings.standby_retry_ms.max(MIN_STANDBY_RETRY_MS));
+    let (frames_tx, frames_rx) = mpsc::channel::<Vec<OutFrame>>(PUBLISH_QUEUE_BATCHES);
+    let (plans_tx, plans_rx) =
+        mpsc::channel(engine.settings.max_in_flight.max(MIN_IN_FLIGHT) * PLAN_QUEUE_FACTOR);
     let publisher = tokio::spawn(run_publisher(engine.clone(), frames_rx));
     let planner = tokio::spawn(crate::workers::run_planner(
         engine.clone(),
         plans_rx,
         engine.settings.max_in_flight,
     ));
+    let outputs = Outputs {
+        frames: frames_tx,
+        plans: plans_tx,
+    };
     let mut spare = None;
-    'lead: loop {
-        let mut writer = loop {
-            match engine.store.try_lead(&lock_name, &mut spare).await {
-                Ok(Some(w)) => break w,
-                Ok(None) => engine.standby.store(true, Ordering::Release),
-                Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),
-            }
-            tokio::select! {
-                () = tokio::time::sleep(retry) => {}
-                () = stop.cancelled() => break 'lead,
-            }
-        };
+    while let Some(mut writer) = wait_to_lead(&engine, &lock_name, &mut spare, retry, &stop).await {
         let live = match writer.load_live().await {
             Ok(live) => live,
             Err(e) => {
@@ -750,133 +744,272 @@ pub async fn run_applier(
             }
         };
         tracing::info!(live = live.len(), "leading: this replica applies changes");
-        let mut core = Machine::new(engine.settings.clone(), engine.subjects.clone(), live);
+        let core = Machine::new(engine.settings.clone(), engine.subjects.clone(), live);
         engine.standby.store(false, Ordering::Release);
         engine.leading.store(true, Ordering::Release);
         let term = stop.child_token();
         on_lead(term.clone());
-        // Deadlines and lost planner requests are looked at every half second, also under a
-        // load that never lets the applier wait.
-        let tick = Duration::from_millis(500);
-        let mut next_tick = tokio::time::Instant::now() + tick;
-        let mut rounds: u64 = 0;
-        let mut waiters: Vec<Waiter> = Vec::new();
-        loop {
-            // Wait only when nothing is left to write (ops applied while the last group was
-            // written are written at once).
-            if waiters.is_empty() && !core.has_changes() {
-                tokio::select! {
-                    biased;
-                    () = stop.cancelled() => {}
-                    op = ops.recv() => match op {
-                        Some(op) => apply_op(&mut core, op, &mut waiters),
-                        None => break 'lead,
-                    },
-                    () = tokio::time::sleep_until(next_tick) => {}
-                }
-            }
-            if tokio::time::Instant::now() >= next_tick {
-                next_tick = tokio::time::Instant::now() + tick;
-                rounds += 1;
-                let now = now_ms();
-                core.expire_due(now);
-                core.replan_stalled(now);
-                if rounds.is_multiple_of(120) {
-                    core.prune_processed(now - 600_000);
-                }
-            }
-            while core.changes() < engine.settings.max_batch {
-                match ops.try_recv() {
-                    Ok(op) => apply_op(&mut core, op, &mut waiters),
-                    Err(_) => break,
-                }
-            }
-            let published = engine
-                .published
-                .lock()
-                .map(|mut l| std::mem::take(&mut *l))
-                .unwrap_or_default();
-            core.published(published);
-            if !core.has_changes() && waiters.is_empty() {
-                if stop.is_cancelled() {
-                    break 'lead;
-                }
-                continue;
-            }
-            let mut pending = core.take();
-            let started = std::time::Instant::now();
-            // While the group is written, ops that arrive are applied to the next group, so
-            // that one is ready to write the moment this one has committed.
-            let mut next_waiters: Vec<Waiter> = Vec::new();
-            let mut channel_closed = false;
-            let written = {
-                let write = writer.write(&pending.batch);
-                tokio::pin!(write);
-                loop {
-                    tokio::select! {
-                        biased;
-                        written = &mut write => break written,
-                        op = ops.recv(), if !channel_closed && core.changes() < engine.settings.max_batch => {
-                            match op {
-                                Some(op) => apply_op(&mut core, op, &mut next_waiters),
-                                None => channel_closed = true,
-                            }
-                        }
-                    }
-                }
-            };
-            tracing::debug!(
-                replies = waiters.len(),
-                tasks = pending.batch.tasks.len(),
-                events = pending.batch.events.len(),
-                frames = pending.batch.outbox.len(),
-                applied_meanwhile = next_waiters.len(),
-                write_us = started.elapsed().as_micros() as u64,
-                "batch written"
-            );
-            match written {
-                Ok(()) => {
-                    core.committed(&pending);
-                    for waiter in waiters.drain(..) {
-                        waiter.succeed();
-                    }
-                    waiters = next_waiters;
-                    let frames = std::mem::take(&mut pending.batch.outbox);
-                    if !frames.is_empty() && frames_tx.send(frames).await.is_err() {
-                        break 'lead;
-                    }
-                    for plan in pending.plans.drain(..) {
-                        if plans_tx.try_send(plan).is_err() {
-                            tracing::warn!("planning queue full; the task is planned again later");
-                        }
-                    }
-                    if channel_closed {
-                        break 'lead;
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(
-                        "a batch of changes could not be written, giving up the leadership: {e}"
-                    );
-                    // The group applied meanwhile built on this one: it fails too.
-                    let error = e.to_string();
-                    for waiter in waiters.drain(..).chain(next_waiters) {
-                        waiter.fail(&error);
-                    }
-                    engine.leading.store(false, Ordering::Release);
-                    term.cancel();
-                    drop(writer);
-                    tokio::time::sleep(retry).await;
-                    continue 'lead;
-                }
-            }
-            // On stop, what was applied meanwhile is still written before the applier ends.
+        let mut leader = Leader {
+            engine: &engine,
+            core,
+            writer,
+            waiters: Vec::new(),
+            next_tick: tokio::time::Instant::now() + TICK,
+            ticks: 0,
+        };
+        let ended = leader.run(&mut ops, &stop, &outputs).await;
+        // Closes the leader's connection (and so releases the lock) before anything waits.
+        drop(leader);
+        engine.leading.store(false, Ordering::Release);
+        term.cancel();
+        match ended {
+            TermEnd::Stopped => break,
+            TermEnd::WriteFailed => tokio::time::sleep(retry).await,
         }
     }
     engine.leading.store(false, Ordering::Release);
-    drop(frames_tx);
+    drop(outputs);
     let _ = publisher.await;
     planner.abort();
+}
+
+/// Ops queued per in-flight frame: room for the frames of one full consumer window, and as
+/// many REST and planner ops, before senders wait.
+const OP_QUEUE_FACTOR: usize = 2;
+
+/// Deadlines and lost planner requests are looked at this often, also under a load that never
+/// lets the applier wait.
+const TICK: Duration = Duration::from_millis(500);
+/// Every this many ticks (a minute), processed-frame ids older than [`PROCESSED_RETENTION_MS`]
+/// are forgotten.
+const PRUNE_EVERY_TICKS: u64 = 120;
+/// How long a frame's id is remembered: far longer than JetStream redelivers a frame (its
+/// ack wait is 30 s), so a redelivery is always recognised.
+const PROCESSED_RETENTION_MS: i64 = 600_000;
+/// A standby asks for the leadership at most this often, whatever the setting says.
+const MIN_STANDBY_RETRY_MS: u64 = 10;
+/// Floor of `max_in_flight` when sizing queues, so that a tiny setting still lets a group form.
+pub(crate) const MIN_IN_FLIGHT: usize = 64;
+/// Committed groups whose frames wait to be published; the applier waits when it is full
+/// (publishing is the slower side only when NATS is).
+const PUBLISH_QUEUE_BATCHES: usize = 256;
+/// Planning requests queued per in-flight frame; a full queue drops the request, and the task
+/// is asked for again by [`Machine::replan_stalled`].
+const PLAN_QUEUE_FACTOR: usize = 4;
+
+/// Where a committed group's work goes.
+struct Outputs {
+    frames: mpsc::Sender<Vec<OutFrame>>,
+    plans: mpsc::Sender<proto_schemas::sessions::PlanRequest>,
+}
+
+/// Why a term of leadership ended.
+enum TermEnd {
+    /// The service stops (or every sender of ops is gone).
+    Stopped,
+    /// A group could not be written: the leadership is given up and the state reloaded.
+    WriteFailed,
+}
+
+/// Waits until this replica holds the leadership, or `None` once `stop` fires.
+async fn wait_to_lead(
+    engine: &Engine,
+    lock_name: &str,
+    spare: &mut Option<sqlx::PgConnection>,
+    retry: Duration,
+    stop: &CancellationToken,
+) -> Option<Writer> {
+    loop {
+        match engine.store.try_lead(lock_name, spare).await {
+            Ok(Some(writer)) => return Some(writer),
+            Ok(None) => engine.standby.store(true, Ordering::Release),
+            Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(retry) => {}
+            () = stop.cancelled() => return None,
+        }
+    }
+}
+
+/// One term of leadership: the live state, the leader's connection, and the replies that
+/// wait for the group being formed.
+struct Leader<'e> {
+    engine: &'e Engine,
+    core: Machine,
+    writer: Writer,
+    waiters: Vec<Waiter>,
+    next_tick: tokio::time::Instant,
+    ticks: u64,
+}
+
+impl Leader<'_> {
+    /// Applies ops and writes them in groups until the service stops or a write fails.
+    async fn run(
+        &mut self,
+        ops: &mut mpsc::Receiver<Op>,
+        stop: &CancellationToken,
+        outputs: &Outputs,
+    ) -> TermEnd {
+        loop {
+            if !self.wait_for_work(ops, stop).await {
+                return TermEnd::Stopped;
+            }
+            self.on_tick();
+            self.take_ready_ops(ops);
+            self.collect_published();
+            if !self.core.has_changes() && self.waiters.is_empty() {
+                if stop.is_cancelled() {
+                    return TermEnd::Stopped;
+                }
+                continue;
+            }
+            match self.write_group(ops, outputs).await {
+                Ok(GroupEnd::Continue) => {}
+                Ok(GroupEnd::ChannelClosed) => return TermEnd::Stopped,
+                Err(()) => return TermEnd::WriteFailed,
+            }
+            // On stop, what was applied meanwhile is still written before the term ends.
+        }
+    }
+
+    /// Waits for an op, a tick or the stop, unless there is something to write already (ops
+    /// applied while the last group was written are written at once). False when every
+    /// sender of ops is gone.
+    async fn wait_for_work(
+        &mut self,
+        ops: &mut mpsc::Receiver<Op>,
+        stop: &CancellationToken,
+    ) -> bool {
+        if !self.waiters.is_empty() || self.core.has_changes() {
+            return true;
+        }
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => true,
+            op = ops.recv() => match op {
+                Some(op) => {
+                    apply_op(&mut self.core, op, &mut self.waiters);
+                    true
+                }
+                None => false,
+            },
+            () = tokio::time::sleep_until(self.next_tick) => true,
+        }
+    }
+
+    /// Deadlines, lost planner requests and the pruning of old frame ids, when a tick is due.
+    fn on_tick(&mut self) {
+        if tokio::time::Instant::now() < self.next_tick {
+            return;
+        }
+        self.next_tick = tokio::time::Instant::now() + TICK;
+        self.ticks += 1;
+        let now = now_ms();
+        self.core.expire_due(now);
+        self.core.replan_stalled(now);
+        if self.ticks.is_multiple_of(PRUNE_EVERY_TICKS) {
+            self.core.prune_processed(now - PROCESSED_RETENTION_MS);
+        }
+    }
+
+    /// Applies the ops already waiting, up to the group's size limit.
+    fn take_ready_ops(&mut self, ops: &mut mpsc::Receiver<Op>) {
+        while self.core.changes() < self.engine.settings.max_batch {
+            match ops.try_recv() {
+                Ok(op) => apply_op(&mut self.core, op, &mut self.waiters),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// Outbox rows the sweeper published are deleted with the next group.
+    fn collect_published(&mut self) {
+        let published = self
+            .engine
+            .published
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default();
+        self.core.published(published);
+    }
+
+    /// Writes the open group in one transaction while applying the ops that arrive meanwhile
+    /// to the next one; then answers, publishes and plans, or (the write failed) fails every
+    /// reply of both groups.
+    async fn write_group(
+        &mut self,
+        ops: &mut mpsc::Receiver<Op>,
+        outputs: &Outputs,
+    ) -> Result<GroupEnd, ()> {
+        let mut pending = self.core.take();
+        let started = std::time::Instant::now();
+        let mut next_waiters: Vec<Waiter> = Vec::new();
+        let mut channel_closed = false;
+        let max_batch = self.engine.settings.max_batch;
+        let written = {
+            let write = self.writer.write(&pending.batch);
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    biased;
+                    written = &mut write => break written,
+                    op = ops.recv(), if !channel_closed && self.core.changes() < max_batch => {
+                        match op {
+                            Some(op) => apply_op(&mut self.core, op, &mut next_waiters),
+                            None => channel_closed = true,
+                        }
+                    }
+                }
+            }
+        };
+        tracing::debug!(
+            replies = self.waiters.len(),
+            tasks = pending.batch.tasks.len(),
+            events = pending.batch.events.len(),
+            frames = pending.batch.outbox.len(),
+            applied_meanwhile = next_waiters.len(),
+            write_us = started.elapsed().as_micros() as u64,
+            "batch written"
+        );
+        if let Err(e) = written {
+            tracing::error!(
+                "a batch of changes could not be written, giving up the leadership: {e}"
+            );
+            // The group applied meanwhile built on this one: it fails too.
+            let error = e.to_string();
+            for waiter in self.waiters.drain(..).chain(next_waiters) {
+                waiter.fail(&error);
+            }
+            return Err(());
+        }
+        self.core.committed(&pending);
+        for waiter in std::mem::replace(&mut self.waiters, next_waiters) {
+            waiter.succeed();
+        }
+        let frames = std::mem::take(&mut pending.batch.outbox);
+        if !frames.is_empty() && outputs.frames.send(frames).await.is_err() {
+            return Ok(GroupEnd::ChannelClosed);
+        }
+        for plan in pending.plans.drain(..) {
+            if outputs.plans.try_send(plan).is_err() {
+                tracing::warn!("planning queue full; the task is planned again later");
+            }
+        }
+        Ok(if channel_closed {
+            GroupEnd::ChannelClosed
+        } else {
+            GroupEnd::Continue
+        })
+    }
+}
+
+/// What follows a committed group.
+enum GroupEnd {
+    /// More groups.
+    Continue,
+    /// Every sender of ops is gone (or the publisher): the term ends.
+    ChannelClosed,
 }
 
 /// Applies one op to the core and keeps its reply for after the commit.
