@@ -25,7 +25,7 @@ use proto_schemas::registry::{
 };
 use proto_schemas::server;
 use proto_schemas::sessions::{InboundFrame, PlanStep};
-use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, TaskStatus, V1};
+use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, V1};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -565,25 +565,14 @@ impl Engine {
                 }
             }
         };
-        let client = &inbound.client_id;
-        let session = inbound.frame.session_id.clone();
-        let frame = match &session {
-            Some(sid) => server::session_error(body.error_code, &body.detail, sid),
-            None => server::error(body.error_code, &body.detail),
-        };
-        self.notify(client, &frame).await;
-        if inbound.frame.kind == proto_schemas::ClientMessageType::Task {
-            // Do better than UFO: end Galaxy's pending task at once.
-            if let Some(sid) = &session {
-                let end = server::task_end(
-                    sid,
-                    TaskStatus::Failed,
-                    None,
-                    Some(body.detail.clone()),
-                    &server::new_id(),
-                );
-                self.notify(client, &end).await;
-            }
+        let frames = server::refusal(
+            inbound.frame.kind,
+            inbound.frame.session_id.as_deref(),
+            body.error_code,
+            &body.detail,
+        );
+        for frame in &frames {
+            self.notify(&inbound.client_id, frame).await;
         }
         Ok(())
     }
