@@ -190,7 +190,6 @@ impl Engine {
         (engine, Applier { ops: rx })
     }
 
-    /// The bus.
     pub fn bus(&self) -> &SharedBus {
         &self.bus
     }
@@ -200,12 +199,10 @@ impl Engine {
         &self.blobs
     }
 
-    /// The subjects.
     pub fn subjects(&self) -> &Subjects {
         &self.subjects
     }
 
-    /// The settings.
     pub fn settings(&self) -> &SessionSettings {
         &self.settings
     }

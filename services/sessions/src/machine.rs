@@ -88,7 +88,6 @@ impl NewTask {
 /// A task to start, with what was looked up for it before it reached the leader.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    /// The task.
     pub new: NewTask,
     /// Agents it may run on (one for an explicit target), from the registry.
     pub candidates: Vec<AgentRecord>,
@@ -116,7 +115,6 @@ pub enum Refusal {
     /// The task is not live on this leader; the answer depends on the database (it ended,
     /// it never existed, or the frame was applied before it ended).
     NotLive {
-        /// The task.
         task_id: String,
     },
 }
@@ -1085,7 +1083,6 @@ const REPLAN_MARGIN_MS: i64 = 5_000;
 /// One step's commands, from a planner or a driver.
 #[derive(Debug, Clone)]
 pub struct CommandStep {
-    /// The commands.
     pub actions: Vec<Command>,
     /// The UFO agent to run them (default: the platform's agent).
     pub agent_name: Option<String>,

@@ -29,9 +29,7 @@ pub enum StoreError {
     /// A stored value this version cannot read (written by hand, or by a newer version).
     #[error("task '{task_id}': column {column} holds {value:?}, which this version cannot read")]
     Corrupt {
-        /// The task.
         task_id: String,
-        /// The column.
         column: &'static str,
         /// What it holds.
         value: String,
@@ -39,9 +37,7 @@ pub enum StoreError {
     /// A JSON column could not be encoded.
     #[error("cannot encode task '{task_id}' for the database: {source}")]
     Encode {
-        /// The task.
         task_id: String,
-        /// The cause.
         source: serde_json::Error,
     },
 }
@@ -528,7 +524,6 @@ enum Target<'a> {
 /// An event to append.
 #[derive(Debug, Clone)]
 pub struct NewEvent {
-    /// The task.
     pub task_id: String,
     /// Its gap-free sequence number.
     pub seq: i64,
@@ -538,7 +533,6 @@ pub struct NewEvent {
     pub kind: EventKind,
     /// The task's state after it.
     pub state: TaskState,
-    /// Details.
     pub data: Option<Value>,
 }
 
@@ -549,7 +543,6 @@ pub struct OutFrame {
     pub msg_id: String,
     /// Subject to publish on.
     pub subject: String,
-    /// Body.
     pub payload: Vec<u8>,
 }
 
@@ -606,7 +599,6 @@ fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
 /// PostgreSQL, released by the server when the connection ends) and writes every batch, so a
 /// replica that lost its connection can no longer write: its transaction fails.
 pub enum Writer {
-    /// PostgreSQL.
     Pg(sqlx::PgConnection),
     /// SQLite (one process owns an embedded database).
     Lite(sqlx::SqliteConnection),

@@ -59,7 +59,6 @@ impl RequesterKind {
 }
 
 impl Requester {
-    /// Its transport.
     pub fn kind(&self) -> RequesterKind {
         match self {
             Requester::Client { .. } => RequesterKind::Client,
@@ -137,7 +136,6 @@ impl PlannerKind {
 }
 
 impl Plan {
-    /// Its kind.
     pub fn kind(&self) -> PlannerKind {
         match self {
             Plan::Scripted(_) => PlannerKind::Scripted,
@@ -208,7 +206,6 @@ pub struct ExecutorRef {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("task '{task_id}' cannot go from {} to {}", from.as_str(), to.as_str())]
 pub struct InvalidTransition {
-    /// The task.
     pub task_id: String,
     /// Where it stands.
     pub from: TaskState,
