@@ -1,0 +1,68 @@
+//! The frames the session service handles: TASK, COMMAND_RESULTS, TASK_END, PROGRESS,
+//! CLARIFICATION_REQUEST / _RESPONSE and HANDOFF.
+//!
+//! Each goes into the frames stream with the registered identity attached, stored before
+//! this returns. If that fails the client is told at once, and a TASK also gets its
+//! `task_end` so that the requester's pending task ends.
+
+use proto_schemas::sessions::{GatewayEvent, InboundFrame};
+use proto_schemas::{ClientMessage, ClientMessageType, ErrorCode, TaskStatus, V1, server};
+
+use crate::client::{Client, End};
+use crate::events;
+use crate::identity::Identity;
+
+pub(crate) async fn handle(
+    client: &mut Client,
+    identity: &Identity,
+    frame: ClientMessage,
+) -> Result<(), End> {
+    client.frames_forwarded += 1;
+    let msg_id = format!("{}:{}", client.connection_id, client.frames_forwarded);
+    let kind = frame.kind;
+    let session_id = frame.session_id.clone();
+    let event = GatewayEvent::Frame(InboundFrame {
+        version: V1,
+        gateway_id: client.state.gateway_id.clone(),
+        connection_id: client.connection_id.clone(),
+        client_id: identity.client_id.clone(),
+        client_type: identity.client_type,
+        platform: identity.platform,
+        extensions: identity.extensions.clone(),
+        received_at: server::timestamp_now(),
+        frame,
+    });
+    let Err(e) = events::publish(&client.state, &identity.client_id, &event, msg_id).await else {
+        return Ok(());
+    };
+    let text = format!("`{kind}` frame not accepted: {e}");
+    let connection = &client.connection;
+    match (kind, session_id) {
+        (ClientMessageType::Task, Some(session_id)) => {
+            connection.write(&server::session_error(
+                ErrorCode::Unavailable,
+                &text,
+                &session_id,
+            ))?;
+            let end_id = server::new_id();
+            connection.write(&server::task_end(
+                &session_id,
+                TaskStatus::Failed,
+                None,
+                Some(text),
+                &end_id,
+            ))?;
+        }
+        (_, Some(session_id)) => {
+            connection.write(&server::session_error(
+                ErrorCode::Unavailable,
+                text,
+                &session_id,
+            ))?;
+        }
+        (_, None) => {
+            connection.write(&server::error(ErrorCode::Unavailable, text))?;
+        }
+    }
+    Ok(())
+}
