@@ -32,17 +32,17 @@ impl Identity {
     /// Accepts a frame that names no identity or this one. A heartbeat's `client_type` is
     /// not checked: Galaxy's constellation client sends its heartbeats as `device`.
     pub(crate) fn check(&self, frame: &ClientMessage) -> Result<(), Mismatch> {
-        if let Some(claimed) = frame.client_id.as_deref() {
-            if !claimed.is_empty() && claimed != self.client_id {
-                return Err(Mismatch::ClientId);
-            }
+        if let Some(claimed) = frame.client_id.as_deref()
+            && !claimed.is_empty()
+            && claimed != self.client_id
+        {
+            return Err(Mismatch::ClientId);
         }
-        if frame.kind != ClientMessageType::Heartbeat {
-            if let Some(claimed) = frame.client_type {
-                if claimed != self.client_type {
-                    return Err(Mismatch::ClientType);
-                }
-            }
+        if frame.kind != ClientMessageType::Heartbeat
+            && let Some(claimed) = frame.client_type
+            && claimed != self.client_type
+        {
+            return Err(Mismatch::ClientType);
         }
         Ok(())
     }

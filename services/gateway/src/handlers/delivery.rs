@@ -19,11 +19,11 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         }
         return Ok(());
     }
-    if let Some(id) = message.headers.get(names::MSG_ID) {
-        if !client.recent_deliveries.first_time(id) {
-            tracing::debug!(id, "duplicate delivery dropped");
-            return Ok(());
-        }
+    if let Some(id) = message.headers.get(names::MSG_ID)
+        && !client.recent_deliveries.first_time(id)
+    {
+        tracing::debug!(id, "duplicate delivery dropped");
+        return Ok(());
     }
     let payload = match aip_bus::payload_of(client.state.bus.as_ref(), &message).await {
         Ok(payload) => payload,

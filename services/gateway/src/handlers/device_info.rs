@@ -26,13 +26,13 @@ pub(crate) async fn handle(
         ))?);
     }
     let target = frame.target_id.clone().unwrap_or_default();
-    if let Some(bound) = &identity.target_id {
-        if *bound != target {
-            return Ok(connection.write(&server::error(
-                ErrorCode::Forbidden,
-                "Not authorized to request device info for this device",
-            ))?);
-        }
+    if let Some(bound) = &identity.target_id
+        && *bound != target
+    {
+        return Ok(connection.write(&server::error(
+            ErrorCode::Forbidden,
+            "Not authorized to request device info for this device",
+        ))?);
     }
     let no_system_info = || {
         server::device_info_error(
