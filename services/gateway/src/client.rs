@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aip_bus::{Message as BusMessage, RecentIds, Subscription};
+use aip_bus::{RecentIds, Subscription};
 use futures::StreamExt;
 use proto_schemas::{ClientMessage, ErrorCode, FrameError, server};
 
@@ -124,8 +124,8 @@ impl Client {
             Ok(first) => first,
             Err(end) => return end,
         };
-        // Boxed, here and for each frame and delivery below: the future of an idle connection
-        // then holds only the loop, not room for the largest step it may take.
+        // Boxed, here and for each frame and delivery in `registered`: the future of an idle
+        // connection then holds only the loop, not room for the largest step it may take.
         match Box::pin(handlers::register::handle(self, first)).await {
             Ok(registration) => self.registered(registration).await,
             Err(end) => end,
@@ -196,10 +196,10 @@ impl Client {
                         last_activity = Instant::now();
                         liveness.touch();
                     }
-                    self.on_read(read).await
+                    Box::pin(self.on_read(read)).await
                 }
                 delivery = deliveries.next() => match delivery {
-                    Some(message) => self.on_delivery(message).await,
+                    Some(message) => Box::pin(handlers::delivery::handle(self, message)).await,
                     None => {
                         self.connection.close(close::TRY_AGAIN, "message bus connection lost; reconnect");
                         Err(End::DeliveriesEnded)
@@ -228,17 +228,13 @@ impl Client {
         match read {
             Err(e) => Err(self.read_failed(e)),
             Ok(None) => Err(End::ClientClosed),
-            Ok(Some(Inbound::Frame(frame))) => Box::pin(handlers::dispatch(self, frame)).await,
+            Ok(Some(Inbound::Frame(frame))) => handlers::dispatch(self, frame).await,
             Ok(Some(Inbound::Binary)) => Ok(self.connection.write(&server::error(
                 ErrorCode::ProtocolError,
                 BINARY_FRAMES_UNSUPPORTED,
             ))?),
             Ok(Some(Inbound::Control)) => Ok(()),
         }
-    }
-
-    async fn on_delivery(&mut self, message: BusMessage) -> Result<(), End> {
-        Box::pin(handlers::delivery::handle(self, message)).await
     }
 
     fn read_failed(&mut self, e: ReadError) -> End {

@@ -24,7 +24,7 @@ pub mod close {
     pub const NORMAL: u16 = 1000;
     /// Going away: the gateway shuts down; reconnect elsewhere.
     pub const GOING_AWAY: u16 = 1001;
-    /// Protocol error.
+    /// Protocol error: the first frame is not a valid REGISTER.
     pub const PROTOCOL: u16 = 1002;
     /// Policy violation: identity, slow consumer, rate.
     pub const POLICY: u16 = 1008;

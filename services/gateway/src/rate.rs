@@ -51,8 +51,7 @@ impl RateLimiter {
 
 /// What to do with a client's next frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
-    /// Handle it.
+pub(crate) enum Admission {
     Allowed,
     /// Refuse it with RATE_LIMITED; the client may slow down.
     Refused,
@@ -62,7 +61,7 @@ pub enum Admission {
 
 /// The rate limit of one connection, with the refusals counted since its last allowed frame.
 #[derive(Debug)]
-pub struct FrameRate {
+pub(crate) struct FrameRate {
     limiter: RateLimiter,
     per_second: u32,
     refused_in_a_row: u32,
@@ -70,7 +69,7 @@ pub struct FrameRate {
 
 impl FrameRate {
     /// `per_second` frames per second (0 disables the limit).
-    pub fn new(per_second: u32) -> Self {
+    pub(crate) fn new(per_second: u32) -> Self {
         FrameRate {
             limiter: RateLimiter::new(per_second),
             per_second,
@@ -79,12 +78,11 @@ impl FrameRate {
     }
 
     /// The configured limit, for the error text.
-    pub fn per_second(&self) -> u32 {
+    pub(crate) fn per_second(&self) -> u32 {
         self.per_second
     }
 
-    /// Decides on the next frame.
-    pub fn admit(&mut self) -> Admission {
+    pub(crate) fn admit(&mut self) -> Admission {
         if self.limiter.allow() {
             self.refused_in_a_row = 0;
             return Admission::Allowed;
