@@ -59,8 +59,9 @@ pub(crate) enum End {
     Write(#[from] WriteError),
     #[error("delivery subscription ended")]
     DeliveriesEnded,
-    #[error("liveness timeout: no frames or pongs for {ms} ms")]
-    Silent { ms: u128 },
+    /// The text of the close frame.
+    #[error("liveness timeout: {0}")]
+    Silent(String),
     #[error("replaced by a newer connection")]
     Replaced,
     #[error("rate limit exceeded persistently")]
@@ -208,10 +209,9 @@ impl Client {
                 _ = ping.tick() => self.connection.ping().map_err(End::from),
                 _ = check.tick() => {
                     if last_activity.elapsed() > liveness_timeout {
-                        let end = End::Silent { ms: liveness_timeout.as_millis() };
                         let text = format!("no frames or pongs for {} ms", liveness_timeout.as_millis());
                         self.connection.close(close::GOING_AWAY, &text);
-                        Err(end)
+                        Err(End::Silent(text))
                     } else {
                         Ok(())
                     }
