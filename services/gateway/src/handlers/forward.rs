@@ -6,7 +6,7 @@
 //! `task_end` so that the requester's pending task ends.
 
 use proto_schemas::sessions::{GatewayEvent, InboundFrame};
-use proto_schemas::{ClientMessage, ClientMessageType, ErrorCode, TaskStatus, V1, server};
+use proto_schemas::{ClientMessage, ErrorCode, V1, server};
 
 use crate::client::{Client, End};
 use crate::events;
@@ -36,33 +36,8 @@ pub(crate) async fn handle(
         return Ok(());
     };
     let text = format!("`{kind}` frame not accepted: {e}");
-    let connection = &client.connection;
-    match (kind, session_id) {
-        (ClientMessageType::Task, Some(session_id)) => {
-            connection.write(&server::session_error(
-                ErrorCode::Unavailable,
-                &text,
-                &session_id,
-            ))?;
-            let end_id = server::new_id();
-            connection.write(&server::task_end(
-                &session_id,
-                TaskStatus::Failed,
-                None,
-                Some(text),
-                &end_id,
-            ))?;
-        }
-        (_, Some(session_id)) => {
-            connection.write(&server::session_error(
-                ErrorCode::Unavailable,
-                text,
-                &session_id,
-            ))?;
-        }
-        (_, None) => {
-            connection.write(&server::error(ErrorCode::Unavailable, text))?;
-        }
+    for answer in server::refusal(kind, session_id.as_deref(), ErrorCode::Unavailable, &text) {
+        client.connection.write(&answer)?;
     }
     Ok(())
 }
