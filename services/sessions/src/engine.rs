@@ -19,10 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use aip_bus::{BusError, Headers, SharedBus};
-use proto_schemas::registry::{
-    AgentRecord, AgentStatus, GetAgent, GetAgentReply, LookupAgents, LookupReply,
-};
+use aip_bus::registry::{RegistryClient, RegistryError};
+use aip_bus::{Headers, SharedBus};
+use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents};
 use proto_schemas::server;
 use proto_schemas::sessions::{InboundFrame, PlanStep};
 use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, V1};
@@ -145,12 +144,16 @@ impl Waiter {
     }
 }
 
+/// Agents a capability lookup considers at most; the least loaded of them runs the task.
+const CAPABILITY_CANDIDATES: u32 = 50;
+
 /// The handle every part of a replica shares.
 #[derive(Clone)]
 pub struct Engine {
     /// Tables (reads; the leader's writes go through the applier).
     pub store: TaskStore,
     bus: SharedBus,
+    registry: RegistryClient,
     subjects: Subjects,
     settings: SessionSettings,
     blobs: aip_bus::BlobStore,
@@ -176,8 +179,14 @@ impl Engine {
     ) -> (Self, Applier) {
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
         let (tx, rx) = mpsc::channel(settings.max_in_flight.max(MIN_IN_FLIGHT) * OP_QUEUE_FACTOR);
+        let registry = RegistryClient::new(
+            bus.clone(),
+            subjects.clone(),
+            Duration::from_millis(settings.request_timeout_ms),
+        );
         let engine = Engine {
             store,
+            registry,
             bus,
             subjects,
             settings,
@@ -433,15 +442,6 @@ impl Engine {
     async fn resolve(&self, new: &NewTask) -> Result<Vec<AgentRecord>, ErrorBody> {
         match &new.placement {
             Placement::Target(target) => {
-                let reply: GetAgentReply = self
-                    .registry_request(
-                        self.subjects.registry_get(),
-                        &GetAgent {
-                            version: V1,
-                            agent_id: target.clone(),
-                        },
-                    )
-                    .await?;
                 let constellation = matches!(
                     new.requester,
                     Requester::Client {
@@ -454,7 +454,7 @@ impl Engine {
                 } else {
                     format!("Device '{target}' is not connected")
                 };
-                match reply.into_result() {
+                match self.registry.get(target).await {
                     Ok(agent) if agent.status == AgentStatus::Offline => {
                         Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
                     }
@@ -463,7 +463,10 @@ impl Engine {
                         "Constellation tasks may only target device clients",
                     )),
                     Ok(agent) => Ok(vec![agent]),
-                    Err(_) => Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected)),
+                    Err(RegistryError::Refused(_)) => {
+                        Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
+                    }
+                    Err(e) => Err(e.into_error_body()),
                 }
             }
             Placement::Capabilities(capabilities) => {
@@ -471,48 +474,13 @@ impl Engine {
                     version: V1,
                     capabilities: capabilities.clone(),
                     client_type: None,
-                    limit: Some(50),
+                    limit: Some(CAPABILITY_CANDIDATES),
                 };
-                let reply: LookupReply = self
-                    .registry_request(self.subjects.registry_lookup(), &lookup)
-                    .await?;
-                reply.into_result()
+                self.registry
+                    .lookup(&lookup)
+                    .await
+                    .map_err(RegistryError::into_error_body)
             }
-        }
-    }
-
-    async fn registry_request<Req: serde::Serialize, Rep: serde::de::DeserializeOwned>(
-        &self,
-        subject: String,
-        body: &Req,
-    ) -> Result<Rep, ErrorBody> {
-        let payload = serde_json::to_vec(body).map_err(|e| {
-            tracing::error!("a registry request could not be encoded: {e}");
-            ErrorBody::new(
-                ErrorCode::Internal,
-                format!("a registry request could not be encoded: {e}"),
-            )
-        })?;
-        let timeout = Duration::from_millis(self.settings.request_timeout_ms);
-        match self
-            .bus
-            .request(subject, Headers::new(), payload.into(), timeout)
-            .await
-        {
-            Ok(reply) => serde_json::from_slice(&reply.payload).map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::Internal,
-                    format!("invalid reply from the registry: {e}"),
-                )
-            }),
-            Err(BusError::NoResponders { .. }) => Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                "the agent registry is not running; try again later",
-            )),
-            Err(e) => Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                format!("the agent registry did not answer: {e}"),
-            )),
         }
     }
 

@@ -114,9 +114,7 @@ pub enum Refusal {
     UnlessSeen(ErrorBody, String),
     /// The task is not live on this leader; the answer depends on the database (it ended,
     /// it never existed, or the frame was applied before it ended).
-    NotLive {
-        task_id: String,
-    },
+    NotLive { task_id: String },
 }
 
 impl Refusal {
