@@ -65,6 +65,8 @@ pub struct Application {
     listener: TcpListener,
     http_addr: SocketAddr,
     bus: SharedBus,
+    /// The reaper publishes the ends of expired connections on the frames subjects.
+    subjects: Subjects,
     store: Arc<dyn AgentStore>,
     requests: RequestSubscriptions,
     presence: aip_bus::Subscription,
@@ -117,6 +119,7 @@ impl Application {
             listener,
             http_addr,
             bus,
+            subjects,
             store,
             requests,
             presence,
@@ -154,6 +157,7 @@ impl Application {
             settings,
             listener,
             bus,
+            subjects,
             store,
             requests,
             presence,
@@ -187,8 +191,13 @@ impl Application {
             settings.presence_flush(),
             flush_stop.clone(),
         ));
+        let notices = reaper::Notices {
+            bus: bus.clone(),
+            subjects: subjects.clone(),
+        };
         let reaper_task = tokio::spawn(reaper::run(
             store.clone(),
+            notices,
             windows,
             settings.reap_interval(),
             settings.liveness(),
