@@ -65,10 +65,7 @@ impl Client {
     }
 
     /// Connects with extra HTTP headers on the handshake request.
-    pub async fn connect_with(
-        url: &str,
-        headers: &[(&str, &str)],
-    ) -> Result<Client, ConnectError> {
+    pub async fn connect_with(url: &str, headers: &[(&str, &str)]) -> Result<Client, ConnectError> {
         let mut request = url.into_client_request().map_err(ConnectError::Failed)?;
         for (name, value) in headers {
             let name = HeaderName::from_bytes(name.as_bytes())

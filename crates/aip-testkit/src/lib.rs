@@ -68,6 +68,7 @@ pub fn nats_url() -> String {
 
 /// A fresh, empty database of `backend`'s kind (not migrated).
 pub async fn test_database(backend: Backend) -> anyhow::Result<TestDatabase> {
+    aip_runtime::install_crypto_provider();
     match backend {
         Backend::NatsPostgres => Ok(TestDatabase::postgres().await?),
         Backend::LocalSqlite => Ok(TestDatabase::sqlite()?),
@@ -486,10 +487,12 @@ mod tests {
         let mut stack = Stack::start(Backend::LocalSqlite, without_sessions())
             .await
             .expect("stack");
-        stack.services.push(Service::spawn("flaky", |stop| async move {
-            stop.await;
-            Err(std::io::Error::other("lost its database"))
-        }));
+        stack
+            .services
+            .push(Service::spawn("flaky", |stop| async move {
+                stop.await;
+                Err(std::io::Error::other("lost its database"))
+            }));
         let database = stack.database_url.clone();
         let error = stack.try_stop().await.expect_err("the failure is reported");
         let text = format!("{error:#}");
@@ -508,7 +511,9 @@ mod tests {
             .await
             .expect("stack");
         // A run loop that returns without being stopped, as one whose listener broke would.
-        let dead = Service::spawn("short-lived", |_stop| async { Ok::<(), std::io::Error>(()) });
+        let dead = Service::spawn("short-lived", |_stop| async {
+            Ok::<(), std::io::Error>(())
+        });
         within(WAIT, "the service to die", async {
             while !dead.is_finished() {
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;

@@ -227,10 +227,7 @@ mod tests {
             Ok::<(), std::io::Error>(())
         });
         let error = service.try_stop().await.expect_err("the panic is reported");
-        assert_eq!(
-            error.to_string(),
-            "panicking panicked: an invariant broke"
-        );
+        assert_eq!(error.to_string(), "panicking panicked: an invariant broke");
     }
 
     #[tokio::test]
@@ -241,7 +238,9 @@ mod tests {
         until_dead(&service).await;
         let error = service.try_stop().await.expect_err("the death is reported");
         assert!(
-            error.to_string().contains("ended by itself during the test"),
+            error
+                .to_string()
+                .contains("ended by itself during the test"),
             "{error}"
         );
     }

@@ -14,8 +14,8 @@ use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-pub use aip_testkit::{Closed, Refusal, get_json};
 use aip_testkit::{Client, ConnectError, RunningGateway, Stack, eventually};
+pub use aip_testkit::{Closed, Refusal, get_json};
 use serde_json::Value;
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
