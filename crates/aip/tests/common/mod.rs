@@ -1,5 +1,7 @@
 //! Running `aip` as real processes in tests: start, read output, wait on conditions with
-//! deadlines, and kill on drop so a failing test leaves nothing running.
+//! deadlines, and kill on drop so a failing test leaves nothing running. A process that
+//! exits by itself while the test still counts on it (nobody waited for its exit) fails the
+//! test when it is dropped.
 
 #![allow(dead_code)]
 
@@ -56,6 +58,9 @@ pub struct Proc {
     stderr: Arc<Mutex<String>>,
     /// The threads copying stdout and stderr; they end when the process closes its pipes.
     readers: Vec<std::thread::JoinHandle<()>>,
+    /// Set once the test has waited for the exit ([`Proc::wait_exit`], [`Proc::terminate`]):
+    /// an exit before that is a death.
+    exit_expected: bool,
 }
 
 fn collect<R: Read + Send + 'static>(
@@ -106,6 +111,7 @@ impl Proc {
             stdout,
             stderr,
             readers,
+            exit_expected: false,
         }
     }
 
@@ -177,6 +183,7 @@ impl Proc {
 
     /// Waits for the process to exit by itself, at most `WAIT`.
     pub fn wait_exit(&mut self) -> ExitStatus {
+        self.exit_expected = true;
         let deadline = Instant::now() + WAIT;
         loop {
             if let Some(status) = self.try_status() {
@@ -213,12 +220,21 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            if child.try_wait().ok().flatten().is_none() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_none() {
                 let _ = child.kill();
                 let _ = child.wait();
             }
             if std::thread::panicking() {
                 eprintln!("{}", self.output());
+            } else if let Some(status) = exited
+                && !self.exit_expected
+            {
+                panic!(
+                    "{} exited by itself during the test ({status})\n{}",
+                    self.name,
+                    self.output()
+                );
             }
         }
     }
