@@ -102,10 +102,10 @@ impl Service {
     /// Ends it abruptly (its task is aborted: no goodbye to anyone), like `kill -9`; panics
     /// if it had already died.
     pub fn kill(mut self) {
-        if let Some(handle) = self.handle.take() {
-            if let Err(e) = died(&self.name, handle) {
-                panic!("{e:#}");
-            }
+        if let Some(handle) = self.handle.take()
+            && let Err(e) = died(&self.name, handle)
+        {
+            panic!("{e:#}");
         }
     }
 }
