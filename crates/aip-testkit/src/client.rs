@@ -30,7 +30,6 @@ pub struct Client {
 /// What a refused handshake returned.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Refusal {
-    /// HTTP status.
     pub status: u16,
     /// The body, as JSON if it is JSON (`null` otherwise).
     pub body: Value,
@@ -52,7 +51,6 @@ pub enum ConnectError {
 pub struct Closed {
     /// The close code, if the server sent a close frame with one.
     pub code: Option<u16>,
-    /// The close reason.
     pub reason: String,
     /// Text frames received before the close (each already checked).
     pub frames: Vec<Value>,
@@ -130,22 +128,18 @@ impl Client {
         }
     }
 
-    /// Sends a JSON frame.
     pub async fn send(&mut self, frame: &Value) -> anyhow::Result<()> {
         self.send_text(&frame.to_string()).await
     }
 
-    /// Sends raw text.
     pub async fn send_text(&mut self, text: &str) -> anyhow::Result<()> {
         self.send_message(Message::Text(text.into())).await
     }
 
-    /// Sends a binary frame.
     pub async fn send_binary(&mut self, bytes: Vec<u8>) -> anyhow::Result<()> {
         self.send_message(Message::Binary(bytes.into())).await
     }
 
-    /// Sends a WebSocket ping.
     pub async fn send_ping(&mut self) -> anyhow::Result<()> {
         self.send_message(Message::Ping(Default::default())).await
     }
@@ -240,7 +234,6 @@ impl Client {
         }
     }
 
-    /// Closes the connection.
     pub async fn close(mut self) {
         let _ = self.ws.close(None).await;
     }

@@ -56,12 +56,10 @@ macro_rules! both_backends {
     )*};
 }
 
-/// A fresh random subject prefix.
 pub fn prefix() -> String {
     format!("t_{}", uuid::Uuid::new_v4().simple())
 }
 
-/// The NATS URL tests use.
 pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
 }
@@ -77,11 +75,8 @@ pub async fn test_database(backend: Backend) -> anyhow::Result<TestDatabase> {
 
 /// The bus, the database and the subject prefix of one test: what services are started on.
 pub struct Infra {
-    /// Which kind.
     pub backend: Backend,
-    /// Subject prefix of this test.
     pub prefix: String,
-    /// The bus.
     pub bus: SharedBus,
     /// The NATS connection behind [`Infra::bus`] (NATS backend only), for raw NATS checks.
     pub nats: Option<NatsBus>,
@@ -110,7 +105,6 @@ impl Infra {
         })
     }
 
-    /// The database URL.
     pub fn database_url(&self) -> &str {
         self.database.url()
     }
@@ -146,23 +140,15 @@ impl Infra {
 /// What a test may change.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// How many gateways.
     pub gateways: usize,
-    /// Run the session service.
     pub sessions: bool,
-    /// Registry liveness window.
     pub liveness_ms: u64,
-    /// Gateway presence interval.
     pub presence_interval_ms: u64,
-    /// Gateway client liveness timeout.
     pub client_liveness_ms: u64,
-    /// Session service: tasks per agent.
     pub max_tasks_per_agent: i64,
-    /// Session service: command timeout.
     pub command_timeout_secs: u64,
     /// Gateway credentials file contents (TOML), if any.
     pub credentials: Option<String>,
-    /// Gateway frame limit.
     pub max_frame_bytes: Option<usize>,
 }
 
@@ -182,11 +168,8 @@ impl Default for Options {
     }
 }
 
-/// A running gateway.
 pub struct RunningGateway {
-    /// Where it listens.
     pub addr: SocketAddr,
-    /// Its id.
     pub id: String,
     service: Service,
 }
@@ -230,17 +213,11 @@ impl RunningGateway {
 
 /// The broker, started for one test.
 pub struct Stack {
-    /// Subject prefix of this test.
     pub prefix: String,
-    /// The bus.
     pub bus: SharedBus,
-    /// The database URL.
     pub database_url: String,
-    /// The registry's REST address.
     pub registry_http: SocketAddr,
-    /// The gateways.
     pub gateways: Vec<RunningGateway>,
-    /// The session service's REST address.
     pub sessions_http: Option<SocketAddr>,
     options: Options,
     credentials_file: Option<std::path::PathBuf>,

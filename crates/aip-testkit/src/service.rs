@@ -62,7 +62,6 @@ impl Service {
         }
     }
 
-    /// What the test calls it.
     pub fn name(&self) -> &str {
         &self.name
     }

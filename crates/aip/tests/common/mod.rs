@@ -31,14 +31,12 @@ pub fn workspace_root() -> PathBuf {
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
-    /// Creates one.
     pub fn new(tag: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("aip-{tag}-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         TempDir(dir)
     }
 
-    /// Its path.
     pub fn path(&self) -> &Path {
         &self.0
     }
@@ -120,7 +118,6 @@ impl Proc {
         Proc::spawn(name, aip_bin(), args, &[])
     }
 
-    /// Its stdout so far.
     pub fn stdout(&self) -> String {
         self.stdout
             .lock()
@@ -128,7 +125,6 @@ impl Proc {
             .clone()
     }
 
-    /// Its stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr
             .lock()
@@ -243,11 +239,8 @@ impl Drop for Proc {
 /// A finished `aip …` run.
 #[derive(Debug)]
 pub struct Run {
-    /// Its exit code.
     pub code: Option<i32>,
-    /// Its stdout.
     pub stdout: String,
-    /// Its stderr.
     pub stderr: String,
 }
 

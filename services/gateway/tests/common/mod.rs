@@ -95,12 +95,10 @@ impl Ws {
         }
     }
 
-    /// Sends a JSON frame.
     pub async fn send(&mut self, frame: &Value) {
         self.client.send(frame).await.expect("sending a text frame");
     }
 
-    /// Sends raw text.
     pub async fn send_text(&mut self, text: &str) {
         self.client
             .send_text(text)
@@ -108,7 +106,6 @@ impl Ws {
             .expect("sending a text frame");
     }
 
-    /// Sends a binary frame.
     pub async fn send_binary(&mut self, bytes: Vec<u8>) {
         self.client
             .send_binary(bytes)
@@ -116,7 +113,6 @@ impl Ws {
             .expect("sending a binary frame");
     }
 
-    /// Sends a WebSocket ping.
     pub async fn send_ping(&mut self) -> anyhow::Result<()> {
         self.client.send_ping().await
     }
@@ -178,7 +174,6 @@ impl Ws {
         self.client.expect_silence(quiet).await
     }
 
-    /// Closes the connection.
     pub async fn close(self) {
         self.client.close().await;
     }
