@@ -34,14 +34,43 @@ pub(crate) async fn publish(
     })?;
     let headers = Headers::new().with(names::MSG_ID, msg_id);
     let subject = state.subjects.frames(client_id);
-    let published = state
-        .blobs
-        .publish_durable(state.bus.as_ref(), subject, headers, body.into());
-    match published.await {
-        Ok(()) => Ok(()),
-        Err(BusError::NoStream { .. }) => Err(PublishError::NoStream),
-        Err(e) => Err(PublishError::Bus(e)),
+    let body = bytes::Bytes::from(body);
+    let deadline = tokio::time::Instant::now() + PUBLISH_RETRY_WINDOW;
+    let mut delay = PUBLISH_RETRY_FIRST_DELAY;
+    loop {
+        let published = state.blobs.publish_durable(
+            state.bus.as_ref(),
+            subject.clone(),
+            headers.clone(),
+            body.clone(),
+        );
+        match published.await {
+            Ok(()) => return Ok(()),
+            Err(BusError::NoStream { .. }) => return Err(PublishError::NoStream),
+            Err(e) if is_transient(&e) && tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!(client = %client_id, "frame not stored yet, retrying in {delay:?}: {e}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(PUBLISH_RETRY_MAX_DELAY);
+            }
+            Err(e) => return Err(PublishError::Bus(e)),
+        }
     }
+}
+
+/// How long a frame is held and offered again while NATS is unreachable (a restart, a
+/// failover). UFO clients never resend a frame, so a blip must not lose one; the stream
+/// de-duplicates on the message id, so a try that was stored after all is not stored twice.
+/// The connection reads no further frame meanwhile, so the hold is bounded per client.
+const PUBLISH_RETRY_WINDOW: std::time::Duration = std::time::Duration::from_secs(15);
+/// The first pause between tries; it doubles up to [`PUBLISH_RETRY_MAX_DELAY`].
+const PUBLISH_RETRY_FIRST_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
+/// The longest pause between tries.
+const PUBLISH_RETRY_MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether another try may succeed: the bus failed or timed out, rather than refusing this
+/// frame for what it is.
+fn is_transient(error: &BusError) -> bool {
+    matches!(error, BusError::Nats { .. } | BusError::Timeout { .. })
 }
 
 /// Tells the session service that this client is gone, so its sessions end.
