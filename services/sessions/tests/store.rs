@@ -8,6 +8,7 @@ use aip_sessions::machine::{Machine, NewTask, Placement, Plan, Prepared, Request
 use aip_sessions::settings::SessionSettings;
 use aip_sessions::store::{Batch, ListFilter, OutFrame, TaskStore, Writer, now_ms};
 use aip_store::testing::TestDatabase;
+use aip_testkit::{Backend, both_backends, test_database};
 use proto_schemas::registry::{AgentRecord, AgentStatus};
 use proto_schemas::sessions::TaskState;
 use proto_schemas::{ClientType, Command, ErrorCode, Platform, Subjects};
@@ -80,7 +81,8 @@ async fn commit(machine: &mut Machine, writer: &mut Writer) -> Batch {
     pending.batch
 }
 
-async fn suite(db: TestDatabase) {
+async fn every_store_function(backend: Backend) {
+    let db = test_database(backend).await.expect("a test database");
     let database = db.connect().await.expect("connects");
     database.migrate().await.expect("migrates");
     let store = TaskStore::new(database.clone());
@@ -325,15 +327,7 @@ async fn suite(db: TestDatabase) {
     db.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_store_function_on_postgres() {
-    suite(TestDatabase::postgres().await.expect("a test database")).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_store_function_on_sqlite() {
-    suite(TestDatabase::sqlite().expect("a test database")).await;
-}
+both_backends!(every_store_function);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_one_replica_leads_on_postgres() {
