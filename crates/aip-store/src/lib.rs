@@ -8,13 +8,18 @@
 //! starting together apply each migration once; on SQLite a process-wide lock does the same
 //! for services sharing one process.
 //!
-//! Services build their own stores (e.g. the registry's `AgentStore`) over the pool inside;
-//! this crate knows no table.
+//! Services build their own stores (e.g. the registry's `AgentStore`) on it; this crate
+//! knows no table. What differs between the two databases is stated once, in [`sql`]:
+//! statements ([`Sql`]) written once with the fragments of [`Backend`] where the dialects
+//! differ, run with [`Database::query`], [`Conn::query`] or [`Tx::query`].
 //!
 //! With the `testing` feature, `testing::TestDatabase` makes a throwaway database per test.
 
-#[cfg(feature = "testing")]
+pub mod sql;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
+
+pub use sql::{AnyValue, Conn, FromAnyRow, List, Query, Sql, Timestamp, Tx};
 
 use std::path::Path;
 use std::str::FromStr;
