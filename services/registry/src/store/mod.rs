@@ -1,32 +1,118 @@
-//! Where agents are kept: the [`AgentStore`] trait and its two implementations,
-//! [`PgAgentStore`] (PostgreSQL) and [`SqliteAgentStore`] (SQLite, the embedded mode).
+//! Where agents are kept: the [`AgentStore`] trait and [`SqlAgentStore`], its one
+//! implementation, on PostgreSQL or SQLite.
 //!
 //! The store knows tables and transactions, not policy: whether a registration may replace
 //! the current holder of an id is decided by the caller's [`Admit`] function, which the store
 //! calls inside the transaction that holds the row, so the decision and the write are atomic
 //! even with several registry replicas. Liveness windows are passed in by the caller.
+//!
+//! Statements are written once with the dialect fragments of `aip_store::Backend`; where the
+//! databases need different statements, the difference is stated next to the shared code:
+//! PostgreSQL writes a batch of registrations or a presence flush in one statement over
+//! arrays (a round trip saved per row), SQLite (in this process, no round trips) row by row;
+//! reaping locks rows on PostgreSQL only, where replicas race. Times come from the database
+//! clock (`now()`; SQLite's clock is this machine's), so replicas judge liveness alike.
 
-mod postgres;
-mod sqlite;
+mod batch;
+mod liveness;
+mod reads;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use aip_store::Database;
-use chrono::{DateTime, Utc};
+use aip_store::{Database, Timestamp};
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
 use proto_schemas::{ClientType, ErrorBody, Extension, McpToolInfo, Platform};
 use serde_json::Value;
+use sqlx::types::Json;
 
-pub use self::postgres::PgAgentStore;
-pub use self::sqlite::SqliteAgentStore;
-
-/// The store for a database.
+/// The store for a database (migrated).
 pub fn for_database(db: &Database) -> Arc<dyn AgentStore> {
-    match db {
-        Database::Postgres(pool) => Arc::new(PgAgentStore::new(pool.clone())),
-        Database::Sqlite(pool) => Arc::new(SqliteAgentStore::new(pool.clone())),
+    Arc::new(SqlAgentStore::new(db.clone()))
+}
+
+/// The agents and gateways tables, on either database.
+#[derive(Debug)]
+pub struct SqlAgentStore {
+    db: Database,
+    /// When this store last recorded each registering gateway as alive
+    /// (see [`batch::GATEWAY_REFRESH`]).
+    gateways_refreshed: Mutex<HashMap<String, Instant>>,
+}
+
+impl SqlAgentStore {
+    /// A store on `db` (migrated).
+    pub fn new(db: Database) -> Self {
+        SqlAgentStore {
+            db,
+            gateways_refreshed: Mutex::default(),
+        }
+    }
+}
+
+impl AgentStore for SqlAgentStore {
+    fn write_batch<'a>(
+        &'a self,
+        batch: &'a WriteBatch,
+        windows: &'a Windows,
+        admit: &'a Admit,
+    ) -> BoxFuture<'a, Result<BatchOutcome, StoreError>> {
+        self.write(batch, windows, admit).boxed()
+    }
+
+    fn is_live_device<'a>(
+        &'a self,
+        agent_id: &'a str,
+        windows: &'a Windows,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.live_device(agent_id, windows).boxed()
+    }
+
+    fn get<'a>(
+        &'a self,
+        agent_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<AgentRecord>, StoreError>> {
+        self.agent(agent_id).boxed()
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        query: &'a LookupQuery,
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>> {
+        self.live_agents(query).boxed()
+    }
+
+    fn list<'a>(
+        &'a self,
+        filter: &'a AgentFilter,
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>> {
+        self.agents(filter).boxed()
+    }
+
+    fn online_ids(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.online().boxed()
+    }
+
+    fn apply_presence<'a>(
+        &'a self,
+        flush: &'a PresenceFlush,
+    ) -> BoxFuture<'a, Result<PresenceApplied, StoreError>> {
+        self.presence(flush).boxed()
+    }
+
+    fn reap<'a>(
+        &'a self,
+        windows: &'a Windows,
+        forget_gateways_after: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, StoreError>> {
+        self.expire(windows, forget_gateways_after).boxed()
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move { Ok(self.db.ping().await?) }.boxed()
     }
 }
 
@@ -310,32 +396,34 @@ impl From<sqlx::Error> for StoreError {
     }
 }
 
-/// The columns of an agent, in the order every `SELECT`/`RETURNING` lists them.
+/// The columns of an agent, as [`AgentRow`] reads them.
 pub(crate) const AGENT_COLUMNS: &str = "a.agent_id, a.client_type, a.platform, a.status, a.capabilities, a.tools, \
      a.system_info, a.metadata, a.extensions, a.target_id, a.gateway_id, a.connection_id, a.load, \
      a.connected_at, a.last_seen";
 
-/// [`AGENT_COLUMNS`] without the table alias, for `RETURNING` clauses.
+/// [`AGENT_COLUMNS`] without the table alias, for `RETURNING` clauses of statements that
+/// name the table without one (SQLite allows no alias there).
 pub(crate) const RETURNING_COLUMNS: &str = "agent_id, client_type, platform, status, capabilities, tools, \
      system_info, metadata, extensions, target_id, gateway_id, connection_id, load, connected_at, last_seen";
 
 /// One agent row as read from either database, before validation.
+#[derive(sqlx::FromRow)]
 pub(crate) struct AgentRow {
-    pub agent_id: String,
-    pub client_type: String,
-    pub platform: String,
-    pub status: String,
-    pub capabilities: Vec<String>,
-    pub tools: Value,
-    pub system_info: Option<Value>,
-    pub metadata: Option<Value>,
-    pub extensions: Vec<String>,
-    pub target_id: Option<String>,
-    pub gateway_id: String,
-    pub connection_id: String,
-    pub load: i32,
-    pub connected_at: DateTime<Utc>,
-    pub last_seen: DateTime<Utc>,
+    agent_id: String,
+    client_type: String,
+    platform: String,
+    status: String,
+    capabilities: Json<Vec<String>>,
+    tools: Json<Value>,
+    system_info: Option<Json<Value>>,
+    metadata: Option<Json<Value>>,
+    extensions: Json<Vec<String>>,
+    target_id: Option<String>,
+    gateway_id: String,
+    connection_id: String,
+    load: i32,
+    connected_at: Timestamp,
+    last_seen: Timestamp,
 }
 
 impl AgentRow {
@@ -352,10 +440,11 @@ impl AgentRow {
             .ok_or_else(|| corrupt(format!("unknown platform `{}`", self.platform)))?;
         let status = AgentStatus::from_wire(&self.status)
             .ok_or_else(|| corrupt(format!("unknown status `{}`", self.status)))?;
-        let tools: Vec<McpToolInfo> = serde_json::from_value(self.tools.clone())
+        let tools: Vec<McpToolInfo> = serde_json::from_value(self.tools.0.clone())
             .map_err(|e| corrupt(format!("tools: {e}")))?;
         let extensions = self
             .extensions
+            .0
             .iter()
             .filter_map(|e| Extension::from_wire(e))
             .collect();
@@ -364,17 +453,17 @@ impl AgentRow {
             client_type,
             status,
             platform,
-            capabilities: self.capabilities,
+            capabilities: self.capabilities.0,
             tools,
-            system_info: self.system_info,
-            metadata: self.metadata,
+            system_info: self.system_info.map(|j| j.0),
+            metadata: self.metadata.map(|j| j.0),
             extensions,
             target_id: self.target_id,
             gateway_id: self.gateway_id,
             connection_id: self.connection_id,
             load: self.load,
-            connected_at: self.connected_at,
-            last_seen: self.last_seen,
+            connected_at: self.connected_at.0,
+            last_seen: self.last_seen.0,
         })
     }
 }
@@ -384,7 +473,8 @@ pub(crate) fn extension_names(extensions: &[Extension]) -> Vec<&'static str> {
     extensions.iter().map(|e| e.as_str()).collect()
 }
 
-/// Milliseconds of a duration, for binding.
+/// Milliseconds of a window, bound where `aip_store::Backend::ago` reads them (a window too
+/// long for an `i64` is as good as forever).
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
