@@ -460,13 +460,12 @@ impl<T: serde::Serialize> Encode<'_, Sqlite> for List<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::TestDatabase;
+    use sqlx::types::Json;
 
     #[test]
     fn fragments_name_their_parameter() {
-        assert_eq!(
-            Backend::Postgres.in_list("a.id", 3),
-            "a.id = ANY($3)"
-        );
+        assert_eq!(Backend::Postgres.in_list("a.id", 3), "a.id = ANY($3)");
         assert_eq!(
             Backend::Sqlite.in_list("a.id", 3),
             "a.id IN (SELECT value FROM json_each($3))"
@@ -486,5 +485,256 @@ mod tests {
             sql.text(Backend::Sqlite),
             "SELECT x FROM t WHERE x IN (SELECT value FROM json_each($1))"
         );
+    }
+
+    /// A database of either kind with a table using every value type the fragments serve.
+    async fn open(backend: Backend) -> (TestDatabase, Database) {
+        let test_db = match backend {
+            Backend::Postgres => TestDatabase::postgres()
+                .await
+                .expect("PostgreSQL must be running (DATABASE_URL)"),
+            Backend::Sqlite => TestDatabase::sqlite().expect("temporary SQLite file"),
+        };
+        let db = test_db.connect().await.expect("connect");
+        let table = Sql::each(
+            "CREATE TABLE items (id text PRIMARY KEY, n integer NOT NULL, \
+             tags jsonb NOT NULL, at timestamptz NOT NULL)",
+            "CREATE TABLE items (id TEXT PRIMARY KEY, n INTEGER NOT NULL, \
+             tags TEXT NOT NULL, at INTEGER NOT NULL) STRICT",
+        );
+        db.query(&table).execute().await.expect("create table");
+        (test_db, db)
+    }
+
+    static INSERT: Sql = Sql::same("INSERT INTO items (id, n, tags, at) VALUES ($1, $2, $3, $4)");
+
+    static INSERT_NOW: std::sync::LazyLock<Sql> = std::sync::LazyLock::new(|| {
+        Sql::render(|b| {
+            format!(
+                "INSERT INTO items (id, n, tags, at) VALUES ($1, $2, $3, {now})",
+                now = b.now()
+            )
+        })
+    });
+
+    #[derive(Debug, PartialEq, sqlx::FromRow)]
+    struct Item {
+        id: String,
+        n: i32,
+        tags: Json<Vec<String>>,
+        at: Timestamp,
+    }
+
+    async fn statements_run_alike(backend: Backend) {
+        let (test_db, db) = open(backend).await;
+        let (one,): (i32,) = db
+            .query(&Sql::same("SELECT 1"))
+            .fetch_one()
+            .await
+            .expect("SELECT 1 reads as i32 on both");
+        assert_eq!(one, 1);
+
+        let at = DateTime::from_timestamp_millis(1_700_000_000_123).expect("time");
+        for (id, n, tags) in [("a", 1, vec!["x", "y"]), ("b", 2, vec!["y"]), ("c", 3, vec![])] {
+            let written = db
+                .query(&INSERT)
+                .bind(id)
+                .bind(n)
+                .bind(Json(tags))
+                .bind(Timestamp(at))
+                .execute()
+                .await
+                .expect("insert");
+            assert_eq!(written, 1);
+        }
+        db.query(&INSERT_NOW)
+            .bind("now")
+            .bind(4)
+            .bind(Json(Vec::<String>::new()))
+            .execute()
+            .await
+            .expect("insert now");
+
+        let item: Option<Item> = db
+            .query(&Sql::same("SELECT id, n, tags, at FROM items WHERE id = $1"))
+            .bind("a")
+            .fetch_optional()
+            .await
+            .expect("read");
+        assert_eq!(
+            item,
+            Some(Item {
+                id: "a".to_owned(),
+                n: 1,
+                tags: Json(vec!["x".to_owned(), "y".to_owned()]),
+                at: Timestamp(at),
+            }),
+            "timestamps keep their milliseconds"
+        );
+        let missing: Option<Item> = db
+            .query(&Sql::same("SELECT id, n, tags, at FROM items WHERE id = $1"))
+            .bind("zz")
+            .fetch_optional()
+            .await
+            .expect("read");
+        assert_eq!(missing, None);
+
+        // A parameter used twice, and out of order.
+        let both = Sql::same("SELECT id FROM items WHERE n >= $2 AND n <= $2 + $1 ORDER BY id");
+        let rows: Vec<(String,)> = db
+            .query(&both)
+            .bind(1_i64)
+            .bind(2_i64)
+            .fetch_all()
+            .await
+            .expect("reused parameter");
+        assert_eq!(rows, [("b".to_owned(),), ("c".to_owned(),)]);
+
+        let in_list = Sql::render(|b| {
+            format!("SELECT id FROM items WHERE {} ORDER BY id", b.in_list("id", 1))
+        });
+        let wanted = ["c", "a", "nobody"];
+        let rows: Vec<(String,)> = db
+            .query(&in_list)
+            .bind(List(&wanted[..]))
+            .fetch_all()
+            .await
+            .expect("in list");
+        assert_eq!(rows, [("a".to_owned(),), ("c".to_owned(),)]);
+        let none: Vec<(String,)> = db
+            .query(&in_list)
+            .bind(List::<&str>(&[]))
+            .fetch_all()
+            .await
+            .expect("empty list");
+        assert!(none.is_empty());
+
+        let list_rows =
+            Sql::render(|b| format!("SELECT l.value FROM {} ORDER BY 1", b.list_rows(1, "l")));
+        let rows: Vec<(String,)> = db
+            .query(&list_rows)
+            .bind(List(&["q", "p"][..]))
+            .fetch_all()
+            .await
+            .expect("list rows");
+        assert_eq!(rows, [("p".to_owned(),), ("q".to_owned(),)]);
+
+        let tagged = Sql::render(|b| {
+            format!(
+                "SELECT id FROM items WHERE {} ORDER BY id",
+                b.json_contains_all("tags", 1)
+            )
+        });
+        let rows: Vec<(String,)> = db
+            .query(&tagged)
+            .bind(Json(["y"]))
+            .fetch_all()
+            .await
+            .expect("contains");
+        assert_eq!(rows, [("a".to_owned(),), ("b".to_owned(),)]);
+        let rows: Vec<(String,)> = db
+            .query(&tagged)
+            .bind(Json(["x", "y"]))
+            .fetch_all()
+            .await
+            .expect("contains all");
+        assert_eq!(rows, [("a".to_owned(),)]);
+
+        let recent = Sql::render(|b| {
+            format!(
+                "SELECT id, at >= {} AS recent FROM items ORDER BY id",
+                b.ago(1)
+            )
+        });
+        let rows: Vec<(String, bool)> = db
+            .query(&recent)
+            .bind(60_000_i64)
+            .fetch_all()
+            .await
+            .expect("bool and time fragments");
+        let recent: Vec<&str> = rows
+            .iter()
+            .filter(|(_, recent)| *recent)
+            .map(|(id, _)| id.as_str())
+            .collect();
+        assert_eq!(recent, ["now"], "only the row written with now() is recent");
+
+        let (count,): (i64,) = db
+            .query(&Sql::same("SELECT count(*) FROM items"))
+            .fetch_one()
+            .await
+            .expect("count");
+        assert_eq!(count, 4);
+        db.close().await;
+        test_db.cleanup().await;
+    }
+
+    async fn insert(tx: &mut Tx<'_>, id: &str) -> Result<u64, sqlx::Error> {
+        tx.query(&INSERT)
+            .bind(id)
+            .bind(0)
+            .bind(Json(["t"]))
+            .bind(Timestamp(Utc::now()))
+            .execute()
+            .await
+    }
+
+    async fn transactions_commit_or_roll_back(backend: Backend) {
+        let (test_db, db) = open(backend).await;
+        let mut tx = db.begin().await.expect("begin");
+        assert_eq!(tx.backend(), backend);
+        insert(&mut tx, "kept").await.expect("insert");
+        tx.commit().await.expect("commit");
+        let mut tx = db.begin().await.expect("begin");
+        insert(&mut tx, "dropped").await.expect("insert");
+        drop(tx);
+
+        let ids = Sql::same("SELECT id FROM items ORDER BY id");
+        let rows: Vec<(String,)> = db.query(&ids).fetch_all().await.expect("read");
+        assert_eq!(rows, [("kept".to_owned(),)]);
+
+        // A connection of one's own, as a service's writer keeps it.
+        match &db {
+            Database::Postgres(pool) => {
+                let mut conn = pool.acquire().await.expect("acquire");
+                let mut tx = Conn::Postgres(&mut conn).begin().await.expect("begin");
+                insert(&mut tx, "own").await.expect("insert");
+                tx.commit().await.expect("commit");
+                let rows: Vec<(String,)> =
+                    Conn::Postgres(&mut conn).query(&ids).fetch_all().await.expect("read");
+                assert_eq!(rows.len(), 2);
+            }
+            Database::Sqlite(pool) => {
+                let mut conn = pool.acquire().await.expect("acquire");
+                let mut tx = Conn::Sqlite(&mut conn).begin().await.expect("begin");
+                insert(&mut tx, "own").await.expect("insert");
+                tx.commit().await.expect("commit");
+                let rows: Vec<(String,)> =
+                    Conn::Sqlite(&mut conn).query(&ids).fetch_all().await.expect("read");
+                assert_eq!(rows.len(), 2);
+            }
+        }
+        db.close().await;
+        test_db.cleanup().await;
+    }
+
+    #[tokio::test]
+    async fn statements_run_alike_on_postgres() {
+        statements_run_alike(Backend::Postgres).await
+    }
+
+    #[tokio::test]
+    async fn statements_run_alike_on_sqlite() {
+        statements_run_alike(Backend::Sqlite).await
+    }
+
+    #[tokio::test]
+    async fn transactions_commit_or_roll_back_on_postgres() {
+        transactions_commit_or_roll_back(Backend::Postgres).await
+    }
+
+    #[tokio::test]
+    async fn transactions_commit_or_roll_back_on_sqlite() {
+        transactions_commit_or_roll_back(Backend::Sqlite).await
     }
 }
