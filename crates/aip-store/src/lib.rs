@@ -40,12 +40,12 @@ pub enum Database {
     Sqlite(SqlitePool),
 }
 
-/// Which database a [`Database`] talks to.
+/// Which database a [`Database`] talks to: its SQL dialect, whose differences are the
+/// fragments in [`sql`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)] // the variants name their database
 pub enum Backend {
-    /// PostgreSQL.
     Postgres,
-    /// SQLite.
     Sqlite,
 }
 
@@ -83,6 +83,7 @@ impl Default for PoolOptions {
 /// Why the database could not be opened or migrated. Every message names the URL with its
 /// password masked, and says what to do.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // the fields are named for what they hold
 pub enum DatabaseError {
     /// The URL's scheme is none of `postgres://`, `postgresql://`, `sqlite://`.
     #[error(
@@ -98,27 +99,22 @@ pub enum DatabaseError {
     InvalidUrl {
         /// The URL, password masked.
         url: String,
-        /// The parser's complaint.
         source: sqlx::Error,
     },
     /// The directory of an SQLite file could not be created.
     #[error("cannot create directory {path} for the SQLite database: {source}")]
     CreateDir {
-        /// The directory.
         path: String,
-        /// The cause.
         source: std::io::Error,
     },
     /// Connecting failed.
     #[error("cannot connect to {backend} at `{url}`: {source}. {hint}")]
     Connect {
-        /// Which database.
         backend: Backend,
         /// The URL, password masked.
         url: String,
         /// What to check.
         hint: String,
-        /// The cause.
         source: sqlx::Error,
     },
     /// Applying migrations failed.
@@ -127,9 +123,7 @@ pub enum DatabaseError {
          applied, restore it and add a new one instead"
     )]
     Migrate {
-        /// Which database.
         backend: Backend,
-        /// The cause.
         source: MigrateError,
     },
 }
@@ -228,7 +222,7 @@ impl Database {
         }
     }
 
-    /// Which database this is.
+    /// Its dialect, for the statements written per database ([`Sql`]).
     pub fn backend(&self) -> Backend {
         match self {
             Database::Postgres(_) => Backend::Postgres,

@@ -19,10 +19,12 @@ use chrono::{DateTime, Utc};
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgArgumentBuffer, PgArguments, PgRow, PgTypeInfo, PgValueRef};
-use sqlx::sqlite::{SqliteArgumentsBuffer, SqliteArguments, SqliteRow, SqliteTypeInfo, SqliteValueRef};
+use sqlx::sqlite::{
+    SqliteArguments, SqliteArgumentsBuffer, SqliteRow, SqliteTypeInfo, SqliteValueRef,
+};
 use sqlx::{
-    AssertSqlSafe, Decode, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite,
-    SqliteConnection, SqlitePool, SqlStr, Type,
+    AssertSqlSafe, Decode, Encode, FromRow, PgConnection, PgPool, Postgres, SqlStr, Sqlite,
+    SqliteConnection, SqlitePool, Type,
 };
 
 use crate::{Backend, Database};
@@ -169,15 +171,14 @@ impl<T> FromAnyRow for T where
 
 /// A connection borrowed for a few statements: a transaction's, or one a service keeps for
 /// itself.
+#[allow(missing_docs)] // the variants name their database
 pub enum Conn<'c> {
-    /// PostgreSQL.
     Postgres(&'c mut PgConnection),
-    /// SQLite.
     Sqlite(&'c mut SqliteConnection),
 }
 
 impl<'c> Conn<'c> {
-    /// Which database this is.
+    /// Its dialect, for code that differs by more than a fragment.
     pub fn backend(&self) -> Backend {
         match self {
             Conn::Postgres(_) => Backend::Postgres,
@@ -203,9 +204,9 @@ impl<'c> Conn<'c> {
     pub async fn begin(self) -> Result<Tx<'c>, sqlx::Error> {
         Ok(match self {
             Conn::Postgres(conn) => Tx::Postgres(sqlx::Connection::begin(conn).await?),
-            Conn::Sqlite(conn) => Tx::Sqlite(
-                sqlx::Connection::begin_with(conn, SQLITE_BEGIN_WRITE).await?,
-            ),
+            Conn::Sqlite(conn) => {
+                Tx::Sqlite(sqlx::Connection::begin_with(conn, SQLITE_BEGIN_WRITE).await?)
+            }
         })
     }
 }
@@ -217,15 +218,14 @@ const SQLITE_BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
 
 /// A write transaction on either database ([`Database::begin`], [`Conn::begin`]). Dropped
 /// without [`Tx::commit`], it is rolled back.
+#[allow(missing_docs)] // the variants name their database
 pub enum Tx<'c> {
-    /// PostgreSQL.
     Postgres(sqlx::Transaction<'c, Postgres>),
-    /// SQLite.
     Sqlite(sqlx::Transaction<'c, Sqlite>),
 }
 
 impl Tx<'_> {
-    /// Which database this is.
+    /// Its dialect, for code that differs by more than a fragment.
     pub fn backend(&self) -> Backend {
         match self {
             Tx::Postgres(_) => Backend::Postgres,
@@ -246,7 +246,7 @@ impl Tx<'_> {
         self.conn().query(sql)
     }
 
-    /// Commits.
+    /// Commits; a failed commit leaves nothing written.
     pub async fn commit(self) -> Result<(), sqlx::Error> {
         match self {
             Tx::Postgres(tx) => tx.commit().await,
@@ -358,7 +358,10 @@ impl Query<'_> {
     /// Runs it and returns how many rows it changed.
     pub async fn execute(self) -> Result<u64, sqlx::Error> {
         on_executor!(self.0, |executor, query| {
-            query.execute(executor).await.map(|done| done.rows_affected())
+            query
+                .execute(executor)
+                .await
+                .map(|done| done.rows_affected())
         })
     }
 }
@@ -535,7 +538,11 @@ mod tests {
         assert_eq!(one, 1);
 
         let at = DateTime::from_timestamp_millis(1_700_000_000_123).expect("time");
-        for (id, n, tags) in [("a", 1, vec!["x", "y"]), ("b", 2, vec!["y"]), ("c", 3, vec![])] {
+        for (id, n, tags) in [
+            ("a", 1, vec!["x", "y"]),
+            ("b", 2, vec!["y"]),
+            ("c", 3, vec![]),
+        ] {
             let written = db
                 .query(&INSERT)
                 .bind(id)
@@ -556,7 +563,9 @@ mod tests {
             .expect("insert now");
 
         let item: Option<Item> = db
-            .query(&Sql::same("SELECT id, n, tags, at FROM items WHERE id = $1"))
+            .query(&Sql::same(
+                "SELECT id, n, tags, at FROM items WHERE id = $1",
+            ))
             .bind("a")
             .fetch_optional()
             .await
@@ -572,7 +581,9 @@ mod tests {
             "timestamps keep their milliseconds"
         );
         let missing: Option<Item> = db
-            .query(&Sql::same("SELECT id, n, tags, at FROM items WHERE id = $1"))
+            .query(&Sql::same(
+                "SELECT id, n, tags, at FROM items WHERE id = $1",
+            ))
             .bind("zz")
             .fetch_optional()
             .await
@@ -591,7 +602,10 @@ mod tests {
         assert_eq!(rows, [("b".to_owned(),), ("c".to_owned(),)]);
 
         let in_list = Sql::render(|b| {
-            format!("SELECT id FROM items WHERE {} ORDER BY id", b.in_list("id", 1))
+            format!(
+                "SELECT id FROM items WHERE {} ORDER BY id",
+                b.in_list("id", 1)
+            )
         });
         let wanted = ["c", "a", "nobody"];
         let rows: Vec<(String,)> = db
@@ -700,8 +714,11 @@ mod tests {
                 let mut tx = Conn::Postgres(&mut conn).begin().await.expect("begin");
                 insert(&mut tx, "own").await.expect("insert");
                 tx.commit().await.expect("commit");
-                let rows: Vec<(String,)> =
-                    Conn::Postgres(&mut conn).query(&ids).fetch_all().await.expect("read");
+                let rows: Vec<(String,)> = Conn::Postgres(&mut conn)
+                    .query(&ids)
+                    .fetch_all()
+                    .await
+                    .expect("read");
                 assert_eq!(rows.len(), 2);
             }
             Database::Sqlite(pool) => {
@@ -709,8 +726,11 @@ mod tests {
                 let mut tx = Conn::Sqlite(&mut conn).begin().await.expect("begin");
                 insert(&mut tx, "own").await.expect("insert");
                 tx.commit().await.expect("commit");
-                let rows: Vec<(String,)> =
-                    Conn::Sqlite(&mut conn).query(&ids).fetch_all().await.expect("read");
+                let rows: Vec<(String,)> = Conn::Sqlite(&mut conn)
+                    .query(&ids)
+                    .fetch_all()
+                    .await
+                    .expect("read");
                 assert_eq!(rows.len(), 2);
             }
         }

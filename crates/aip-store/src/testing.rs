@@ -29,6 +29,7 @@ enum Kind {
 
 /// Why a test database could not be made.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // the fields are named for what they hold
 pub enum TestDatabaseError {
     /// The server named by `DATABASE_URL` did not let us create a database.
     #[error(
@@ -40,7 +41,6 @@ pub enum TestDatabaseError {
         admin_url: String,
         /// The database we tried to create.
         name: String,
-        /// The cause.
         source: sqlx::Error,
     },
     /// The temporary directory for an SQLite file could not be made.
@@ -84,7 +84,7 @@ impl TestDatabase {
         })
     }
 
-    /// The database's URL.
+    /// The URL, for a service under test to connect to.
     pub fn url(&self) -> &str {
         &self.url
     }

@@ -97,7 +97,12 @@ impl Fixture {
             registers: vec![request],
             ..WriteBatch::default()
         };
-        match self.write(batch, &aip_registry::registry::admit).await.registered.remove(0) {
+        match self
+            .write(batch, &aip_registry::registry::admit)
+            .await
+            .registered
+            .remove(0)
+        {
             Ok(RegisterOutcome::Registered(r)) => r.agent,
             other => panic!("not registered: {other:?}"),
         }
@@ -126,7 +131,12 @@ impl Fixture {
             .unwrap_or_else(|| panic!("{agent_id} is stored"))
     }
 
-    async fn lookup(&self, capabilities: &[&str], client_type: ClientType, limit: u32) -> Vec<String> {
+    async fn lookup(
+        &self,
+        capabilities: &[&str],
+        client_type: ClientType,
+        limit: u32,
+    ) -> Vec<String> {
         let query = LookupQuery {
             capabilities: capabilities.iter().map(|c| c.to_string()).collect(),
             client_type,
@@ -176,7 +186,9 @@ impl Fixture {
     async fn set_load(&self, agent_id: &str, load: i32) {
         let changed = self
             .db
-            .query(&Sql::same("UPDATE agents SET load = $1 WHERE agent_id = $2"))
+            .query(&Sql::same(
+                "UPDATE agents SET load = $1 WHERE agent_id = $2",
+            ))
             .bind(load)
             .bind(agent_id)
             .execute()
@@ -188,7 +200,9 @@ impl Fixture {
     async fn set_last_seen(&self, agent_id: &str, at: chrono::DateTime<Utc>) {
         let changed = self
             .db
-            .query(&Sql::same("UPDATE agents SET last_seen = $1 WHERE agent_id = $2"))
+            .query(&Sql::same(
+                "UPDATE agents SET last_seen = $1 WHERE agent_id = $2",
+            ))
             .bind(Timestamp(at))
             .bind(agent_id)
             .execute()
@@ -281,7 +295,10 @@ fn all() -> AgentFilter {
 
 async fn registrations_are_stored_and_read_back(backend: Backend) {
     let f = Fixture::open(backend).await;
-    assert!(f.store.get("pc").await.expect("read").is_none(), "not found");
+    assert!(
+        f.store.get("pc").await.expect("read").is_none(),
+        "not found"
+    );
     assert!(f.gateway("gw-1").await.is_none());
 
     let tool: McpToolInfo = serde_json::from_value(json!({
@@ -314,7 +331,10 @@ async fn registrations_are_stored_and_read_back(backend: Backend) {
     assert_eq!(written.load, 0);
     assert_eq!(written.connected_at, written.last_seen);
     let age = Utc::now() - written.last_seen;
-    assert!(age.abs() < chrono::TimeDelta::seconds(5), "seen now ({age})");
+    assert!(
+        age.abs() < chrono::TimeDelta::seconds(5),
+        "seen now ({age})"
+    );
     assert_eq!(f.get("pc").await, written, "read back as written");
 
     let (gateway_seen, interval) = f.gateway("gw-1").await.expect("the gateway is recorded");
@@ -332,7 +352,8 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
     let first = f.register(device("pc", "gw-1", "c1", "alice")).await;
     f.set_status("pc", AgentStatus::Busy).await;
     f.set_load("pc", 2).await;
-    f.set_last_seen("pc", Utc::now() - chrono::TimeDelta::seconds(30)).await;
+    f.set_last_seen("pc", Utc::now() - chrono::TimeDelta::seconds(30))
+        .await;
 
     // The holders the registrations were judged against.
     let seen: Arc<Mutex<Vec<Option<Holder>>>> = Arc::default();
@@ -344,7 +365,10 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
         }
     };
     let again = WriteBatch {
-        registers: vec![with_capabilities(device("pc", "gw-2", "c1", "alice"), &["new"])],
+        registers: vec![with_capabilities(
+            device("pc", "gw-2", "c1", "alice"),
+            &["new"],
+        )],
         ..WriteBatch::default()
     };
     let outcome = f.write(again, &admit_and_record).await;
@@ -354,11 +378,19 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
     assert_eq!(again.replaced_connection, None);
     assert_eq!(again.agent.status, AgentStatus::Busy, "busy is kept");
     assert_eq!(again.agent.load, 2, "load is kept");
-    assert_eq!(again.agent.connected_at, first.connected_at, "same connection");
+    assert_eq!(
+        again.agent.connected_at, first.connected_at,
+        "same connection"
+    );
     assert!(again.agent.last_seen > first.last_seen - chrono::TimeDelta::seconds(1));
     assert_eq!(again.agent.capabilities, ["new"]);
     assert_eq!(again.agent.gateway_id, "gw-2");
-    let holder = seen.lock().expect("lock").pop().flatten().expect("a holder");
+    let holder = seen
+        .lock()
+        .expect("lock")
+        .pop()
+        .flatten()
+        .expect("a holder");
     assert_eq!(
         holder,
         Holder {
@@ -396,7 +428,12 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
         matches!(&outcome.registered[0], Ok(RegisterOutcome::Registered(r)) if r.replaced_connection.as_deref() == Some("c2")),
         "{outcome:?}"
     );
-    let holder = seen.lock().expect("lock").pop().flatten().expect("a holder");
+    let holder = seen
+        .lock()
+        .expect("lock")
+        .pop()
+        .flatten()
+        .expect("a holder");
     assert!(!holder.live, "a holder on a silent gateway is not live");
     f.close().await;
 }
@@ -404,9 +441,10 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
 async fn refused_and_failed_registrations_write_nothing(backend: Backend) {
     let f = Fixture::open(backend).await;
     let first = f.register(device("pc", "gw-1", "c1", "alice")).await;
-    let refuse = |request: &RegisterAgent, _: Option<&Holder>| -> Result<Option<String>, ErrorBody> {
-        Err(aip_registry::registry::duplicate(&request.agent_id))
-    };
+    let refuse =
+        |request: &RegisterAgent, _: Option<&Holder>| -> Result<Option<String>, ErrorBody> {
+            Err(aip_registry::registry::duplicate(&request.agent_id))
+        };
     let batch = WriteBatch {
         registers: vec![
             device("pc", "gw-1", "c2", "bob"),
@@ -422,7 +460,10 @@ async fn refused_and_failed_registrations_write_nothing(backend: Backend) {
         assert_eq!(refusal.error_code, ErrorCode::RegistrationFailed);
     }
     assert_eq!(f.get("pc").await, first, "unchanged");
-    assert!(f.store.get("new").await.expect("read").is_none(), "not created");
+    assert!(
+        f.store.get("new").await.expect("read").is_none(),
+        "not created"
+    );
 
     // The registry's own rule: another principal cannot take a live id.
     let batch = WriteBatch {
@@ -448,15 +489,27 @@ async fn unregistrations_take_only_their_connection_offline(backend: Backend) {
 
     assert!(f.unregister("pc", "c1").await, "went offline");
     assert_eq!(f.get("pc").await.status, AgentStatus::Offline);
-    assert_eq!(f.offline_reason("pc").await.as_deref(), Some("unregistered"));
+    assert_eq!(
+        f.offline_reason("pc").await.as_deref(),
+        Some("unregistered")
+    );
     assert!(!f.unregister("pc", "c1").await, "offline already");
 
     // An expired agent unregistered is final: its reason becomes `unregistered`.
     f.register(device("old", "gw-1", "c2", "alice")).await;
     f.set_last_seen("old", Utc::now() - LONG_AGO).await;
-    assert_eq!(f.store.reap(&WINDOWS, Duration::from_secs(3600)).await.expect("reap"), ["old"]);
+    assert_eq!(
+        f.store
+            .reap(&WINDOWS, Duration::from_secs(3600))
+            .await
+            .expect("reap"),
+        ["old"]
+    );
     assert!(!f.unregister("old", "c2").await, "offline already");
-    assert_eq!(f.offline_reason("old").await.as_deref(), Some("unregistered"));
+    assert_eq!(
+        f.offline_reason("old").await.as_deref(),
+        Some("unregistered")
+    );
     f.close().await;
 }
 
@@ -503,8 +556,13 @@ async fn a_batch_answers_each_write_in_order(backend: Backend) {
     assert_eq!(f.get("leaving").await.status, AgentStatus::Offline);
     assert_eq!(f.get("held").await.connection_id, "c2");
     assert_eq!(f.get("fresh-a").await.gateway_id, "gw-2");
-    assert!(f.gateway("gw-2").await.is_some(), "the new gateway is recorded");
-    let empty = f.write(WriteBatch::default(), &aip_registry::registry::admit).await;
+    assert!(
+        f.gateway("gw-2").await.is_some(),
+        "the new gateway is recorded"
+    );
+    let empty = f
+        .write(WriteBatch::default(), &aip_registry::registry::admit)
+        .await;
     assert!(empty.registered.is_empty() && empty.unregistered.is_empty());
     f.close().await;
 }
@@ -549,13 +607,19 @@ async fn lookup_offers_live_available_agents_least_loaded_first(backend: Backend
         ("gone", "gw-1", &["ocr"][..]),
         ("other", "gw-1", &["excel"][..]),
     ] {
-        f.register(with_capabilities(device(id, gateway, &format!("c-{id}"), "lab"), capabilities))
-            .await;
+        f.register(with_capabilities(
+            device(id, gateway, &format!("c-{id}"), "lab"),
+            capabilities,
+        ))
+        .await;
     }
     f.register(constellation("galaxy", "idle-new")).await;
-    f.set_last_seen("idle-new", now - chrono::TimeDelta::seconds(1)).await;
-    f.set_last_seen("idle-old", now - chrono::TimeDelta::seconds(5)).await;
-    f.set_last_seen("other", now - chrono::TimeDelta::seconds(5)).await;
+    f.set_last_seen("idle-new", now - chrono::TimeDelta::seconds(1))
+        .await;
+    f.set_last_seen("idle-old", now - chrono::TimeDelta::seconds(5))
+        .await;
+    f.set_last_seen("other", now - chrono::TimeDelta::seconds(5))
+        .await;
     f.set_load("loaded", 3).await;
     f.set_status("busy", AgentStatus::Busy).await;
     f.set_last_seen("stale", now - LONG_AGO).await;
@@ -571,22 +635,36 @@ async fn lookup_offers_live_available_agents_least_loaded_first(backend: Backend
         ["idle-new", "idle-old"],
         "limited"
     );
-    assert_eq!(f.lookup(&["ocr", "excel"], ClientType::Device, 10).await, ["idle-new"]);
+    assert_eq!(
+        f.lookup(&["ocr", "excel"], ClientType::Device, 10).await,
+        ["idle-new"]
+    );
     assert_eq!(
         f.lookup(&[], ClientType::Device, 10).await,
         ["idle-new", "idle-old", "other", "loaded"],
         "least loaded, then most recently seen, then by id"
     );
     assert!(f.lookup(&["gpu"], ClientType::Device, 10).await.is_empty());
-    assert_eq!(f.lookup(&[], ClientType::Constellation, 10).await, ["galaxy"]);
+    assert_eq!(
+        f.lookup(&[], ClientType::Constellation, 10).await,
+        ["galaxy"]
+    );
     f.close().await;
 }
 
 async fn list_filters_by_status_type_and_capabilities(backend: Backend) {
     let f = Fixture::open(backend).await;
     assert!(f.list(all()).await.is_empty(), "empty table");
-    f.register(with_capabilities(device("d-1", "gw-1", "c1", "lab"), &["ocr"])).await;
-    f.register(with_capabilities(device("d-2", "gw-1", "c2", "lab"), &["ocr", "excel"])).await;
+    f.register(with_capabilities(
+        device("d-1", "gw-1", "c1", "lab"),
+        &["ocr"],
+    ))
+    .await;
+    f.register(with_capabilities(
+        device("d-2", "gw-1", "c2", "lab"),
+        &["ocr", "excel"],
+    ))
+    .await;
     f.register(device("d-3", "gw-1", "c3", "lab")).await;
     f.register(constellation("c-1", "d-1")).await;
     f.set_status("d-2", AgentStatus::Busy).await;
@@ -622,7 +700,10 @@ async fn list_filters_by_status_type_and_capabilities(backend: Backend) {
         ..ocr.clone()
     };
     assert_eq!(f.list(available_ocr).await, ["d-1"]);
-    assert_eq!(f.list(AgentFilter { limit: 2, ..all() }).await, ["c-1", "d-1"]);
+    assert_eq!(
+        f.list(AgentFilter { limit: 2, ..all() }).await,
+        ["c-1", "d-1"]
+    );
     assert!(f.list(AgentFilter { limit: 0, ..all() }).await.is_empty());
     let none = AgentFilter {
         capabilities: vec!["gpu".to_owned()],
@@ -641,13 +722,19 @@ async fn online_ids_are_the_agents_not_offline(backend: Backend) {
     f.register(constellation("galaxy", "a")).await;
     f.set_status("b", AgentStatus::Busy).await;
     f.unregister("c", "c3").await;
-    assert_eq!(f.store.online_ids().await.expect("ids"), ["a", "b", "galaxy"]);
+    assert_eq!(
+        f.store.online_ids().await.expect("ids"),
+        ["a", "b", "galaxy"]
+    );
     f.close().await;
 }
 
 async fn presence_refreshes_revives_and_stops(backend: Backend) {
     let f = Fixture::open(backend).await;
-    assert_eq!(f.presence(PresenceFlush::default()).await, PresenceApplied::default());
+    assert_eq!(
+        f.presence(PresenceFlush::default()).await,
+        PresenceApplied::default()
+    );
 
     f.register(device("kept", "gw-1", "c1", "lab")).await;
     f.register(device("expired", "gw-1", "c2", "lab")).await;
@@ -658,7 +745,11 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
     let long_ago = Utc::now() - LONG_AGO;
     f.set_last_seen("kept", long_ago).await;
     f.set_last_seen("expired", long_ago).await;
-    let mut reaped = f.store.reap(&WINDOWS, Duration::from_secs(3600)).await.expect("reap");
+    let mut reaped = f
+        .store
+        .reap(&WINDOWS, Duration::from_secs(3600))
+        .await
+        .expect("reap");
     reaped.sort();
     assert_eq!(reaped, ["expired", "kept"]);
     f.unregister("closed", "c3").await;
@@ -686,18 +777,31 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
     for id in ["kept", "expired"] {
         let agent = f.get(id).await;
         assert_eq!(agent.status, AgentStatus::Available, "{id} is back");
-        assert!(agent.last_seen > long_ago + chrono::TimeDelta::minutes(5), "{id} seen now");
+        assert!(
+            agent.last_seen > long_ago + chrono::TimeDelta::minutes(5),
+            "{id} seen now"
+        );
         assert_eq!(f.offline_reason(id).await, None);
     }
-    assert_eq!(f.get("closed").await.status, AgentStatus::Offline, "unregistered stays");
+    assert_eq!(
+        f.get("closed").await.status,
+        AgentStatus::Offline,
+        "unregistered stays"
+    );
     assert_eq!(f.get("moved").await.status, AgentStatus::Available);
     for id in ["s-1", "s-2"] {
         assert_eq!(f.get(id).await.status, AgentStatus::Offline);
-        assert_eq!(f.offline_reason(id).await.as_deref(), Some("gateway_stopped"));
+        assert_eq!(
+            f.offline_reason(id).await.as_deref(),
+            Some("gateway_stopped")
+        );
     }
     let (_, interval) = f.gateway("gw-1").await.expect("gw-1");
     assert_eq!(interval, 2_000);
-    let (seen, interval) = f.gateway("gw-new").await.expect("a new gateway is recorded");
+    let (seen, interval) = f
+        .gateway("gw-new")
+        .await
+        .expect("a new gateway is recorded");
     assert_eq!(interval, 500);
     assert!((Utc::now() - seen.0).abs() < chrono::TimeDelta::seconds(5));
 
@@ -716,11 +820,19 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
 async fn reaping_expires_silent_agents_and_forgets_dead_gateways(backend: Backend) {
     let f = Fixture::open(backend).await;
     let keep_gateways = Duration::from_secs(3600);
-    assert!(f.store.reap(&WINDOWS, keep_gateways).await.expect("reap").is_empty());
+    assert!(
+        f.store
+            .reap(&WINDOWS, keep_gateways)
+            .await
+            .expect("reap")
+            .is_empty()
+    );
     f.register(device("live", "gw-1", "c1", "lab")).await;
     f.register(device("silent", "gw-1", "c2", "lab")).await;
-    f.register(device("cut-off-a", "gw-dead", "c3", "lab")).await;
-    f.register(device("cut-off-b", "gw-dead", "c4", "lab")).await;
+    f.register(device("cut-off-a", "gw-dead", "c3", "lab"))
+        .await;
+    f.register(device("cut-off-b", "gw-dead", "c4", "lab"))
+        .await;
     f.register(device("gone", "gw-gone", "c5", "lab")).await;
     f.set_status("cut-off-b", AgentStatus::Busy).await;
     f.set_last_seen("silent", Utc::now() - LONG_AGO).await;
@@ -734,14 +846,30 @@ async fn reaping_expires_silent_agents_and_forgets_dead_gateways(backend: Backen
     assert_eq!(sorted, ["cut-off-a", "cut-off-b", "silent"]);
     for id in &reaped {
         assert_eq!(f.get(id).await.status, AgentStatus::Offline);
-        assert_eq!(f.offline_reason(id).await.as_deref(), Some("liveness_expired"));
+        assert_eq!(
+            f.offline_reason(id).await.as_deref(),
+            Some("liveness_expired")
+        );
     }
     assert_eq!(f.get("live").await.status, AgentStatus::Available);
-    assert!(f.store.reap(&WINDOWS, keep_gateways).await.expect("reap").is_empty(), "once");
+    assert!(
+        f.store
+            .reap(&WINDOWS, keep_gateways)
+            .await
+            .expect("reap")
+            .is_empty(),
+        "once"
+    );
     assert!(f.gateway("gw-dead").await.is_some(), "kept for a day");
 
     // Forgotten: silent gateways holding no live agent. gw-1 holds one.
-    assert!(f.store.reap(&WINDOWS, Duration::from_secs(1)).await.expect("reap").is_empty());
+    assert!(
+        f.store
+            .reap(&WINDOWS, Duration::from_secs(1))
+            .await
+            .expect("reap")
+            .is_empty()
+    );
     assert!(f.gateway("gw-dead").await.is_none());
     assert!(f.gateway("gw-gone").await.is_none());
     assert!(f.gateway("gw-1").await.is_some());
@@ -751,9 +879,10 @@ async fn reaping_expires_silent_agents_and_forgets_dead_gateways(backend: Backen
 async fn unreadable_rows_are_reported_as_corrupt(backend: Backend) {
     let f = Fixture::open(backend).await;
     f.register(device("pc", "gw-1", "c1", "lab")).await;
-    let changed = f
-        .db
-        .query(&Sql::same("UPDATE agents SET tools = $1 WHERE agent_id = $2"))
+    let changed =
+        f.db.query(&Sql::same(
+            "UPDATE agents SET tools = $1 WHERE agent_id = $2",
+        ))
         .bind(sqlx::types::Json(json!({"not": "a list"})))
         .bind("pc")
         .execute()
@@ -766,7 +895,11 @@ async fn unreadable_rows_are_reported_as_corrupt(backend: Backend) {
         "{err:?}"
     );
     assert!(!err.is_unavailable());
-    let err = f.store.list(&all()).await.expect_err("listing reads it too");
+    let err = f
+        .store
+        .list(&all())
+        .await
+        .expect_err("listing reads it too");
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err:?}");
     f.close().await;
 }

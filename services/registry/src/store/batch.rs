@@ -253,7 +253,8 @@ impl SqlAgentStore {
             .gateways_refreshed
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        refreshed.retain(|_, at| now.duration_since(*at) < GATEWAY_REFRESH * GATEWAY_MEMORY_PERIODS);
+        refreshed
+            .retain(|_, at| now.duration_since(*at) < GATEWAY_REFRESH * GATEWAY_MEMORY_PERIODS);
         for gateway in stale {
             refreshed.insert(gateway.to_owned(), now);
         }
@@ -378,7 +379,10 @@ async fn write_rows_each(
     admitted: &[Admitted<'_>],
 ) -> Result<HashMap<String, AgentRecord>, StoreError> {
     if !offline.is_empty() {
-        tx.query(&TAKE_OFFLINE).bind(List(offline)).execute().await?;
+        tx.query(&TAKE_OFFLINE)
+            .bind(List(offline))
+            .execute()
+            .await?;
     }
     let mut rows = Vec::with_capacity(admitted.len());
     for a in admitted {
@@ -470,10 +474,7 @@ mod postgres {
     }
 
     /// `value` as JSON text, for a jsonb column of `agent_id`.
-    fn json<T: serde::Serialize + ?Sized>(
-        agent_id: &str,
-        value: &T,
-    ) -> Result<String, StoreError> {
+    fn json<T: serde::Serialize + ?Sized>(agent_id: &str, value: &T) -> Result<String, StoreError> {
         serde_json::to_string(value).map_err(|e| StoreError::Corrupt {
             agent_id: agent_id.to_owned(),
             detail: format!("cannot be written as JSON: {e}"),

@@ -131,10 +131,9 @@ pub trait AgentStore: Send + Sync + 'static {
     /// offline if its connection still holds it, and says whether it went offline (false:
     /// another connection holds the id, or it was offline already); a connection that ended
     /// is never brought back by a late presence report. A registration records its gateway
-    /// as alive (PostgreSQL: in a statement of its own before the transaction, at most every
-    /// half second per gateway), then, holding the id's row (or the right to create it), asks
-    /// `admit` about
-    /// the current holder and writes the new entry if admitted. The new entry is `available`,
+    /// as alive (in a statement of its own before the transaction, at most every half second
+    /// per gateway), then, holding the id's row (or the right to create it), asks `admit`
+    /// about the current holder and writes the new entry if admitted. The new entry is `available`,
     /// seen now; `connected_at` and `load` are kept only when the same connection registers
     /// again.
     ///
@@ -204,9 +203,9 @@ pub type Admit =
 /// Writes for one transaction ([`AgentStore::write_batch`]); no two name the same agent.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct WriteBatch {
-    /// Connections that ended.
+    /// Connections that ended; applied first.
     pub unregisters: Vec<Unregister>,
-    /// Registrations.
+    /// Registrations, each judged by the batch's [`Admit`] function.
     pub registers: Vec<RegisterAgent>,
 }
 
@@ -233,9 +232,9 @@ impl WriteBatch {
 /// The end of a connection: the agent goes offline if that connection still holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unregister {
-    /// The agent.
+    /// The agent the connection held.
     pub agent_id: String,
-    /// The connection that ended.
+    /// The connection that ended: if another one holds the agent now, nothing changes.
     pub connection_id: String,
 }
 
@@ -251,11 +250,11 @@ pub struct BatchOutcome {
 /// The current holder of an id, as read under the row lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
-    /// Its connection.
+    /// The connection to close if a registration takes the id over.
     pub connection_id: String,
-    /// The credential that registered it.
+    /// The credential that registered it, told apart from the newcomer's.
     pub principal: String,
-    /// Its stored status.
+    /// As stored (an offline holder may still be live by the clock, or the reverse).
     pub status: AgentStatus,
     /// Not offline, seen within the agent window and held by a gateway seen within the
     /// gateway window.
@@ -265,7 +264,7 @@ pub struct Holder {
 /// The outcome of a registration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RegisterOutcome {
-    /// Written.
+    /// Committed: the record as stored, and the connection it replaced.
     Registered(Box<Registered>),
     /// Refused by the [`Admit`] function; nothing was written.
     Refused(ErrorBody),
@@ -347,9 +346,9 @@ pub enum StoreError {
     /// A stored row cannot be read back (written by an incompatible build?).
     #[error("stored agent `{agent_id}` cannot be read: {detail}")]
     Corrupt {
-        /// The agent.
+        /// Whose row, so that it can be found and repaired.
         agent_id: String,
-        /// What is wrong.
+        /// Which column holds what this build cannot read.
         detail: String,
     },
     /// A concurrent registration of the same id got in the way, in a way this transaction
@@ -358,7 +357,7 @@ pub enum StoreError {
         "registration of `{agent_id}` collided with a concurrent registration of the same id; try again"
     )]
     Contention {
-        /// The agent.
+        /// The id both registrations named.
         agent_id: String,
     },
     /// The transaction of a batch failed: every write of the batch gets this error.

@@ -104,7 +104,10 @@ impl SqlAgentStore {
         rows.into_iter().map(AgentRow::into_record).collect()
     }
 
-    pub(super) async fn agents(&self, filter: &AgentFilter) -> Result<Vec<AgentRecord>, StoreError> {
+    pub(super) async fn agents(
+        &self,
+        filter: &AgentFilter,
+    ) -> Result<Vec<AgentRecord>, StoreError> {
         let rows: Vec<AgentRow> = self
             .db
             .query(&AGENTS)
