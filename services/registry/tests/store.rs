@@ -14,7 +14,7 @@ use aip_store::testing::TestDatabase;
 use aip_store::{Backend, Database, Sql, Timestamp};
 use chrono::Utc;
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent};
-use proto_schemas::{ClientType, ErrorBody, ErrorCode, Extension, McpToolInfo, Platform, V1};
+use proto_schemas::{ClientType, ErrorBody, ErrorCode, Extension, McpToolInfo, Platform};
 use serde_json::json;
 
 macro_rules! both_databases {
@@ -256,21 +256,11 @@ fn ids(agents: Vec<AgentRecord>) -> Vec<String> {
 }
 
 fn device(agent_id: &str, gateway_id: &str, connection_id: &str, principal: &str) -> RegisterAgent {
-    RegisterAgent {
-        version: V1,
-        agent_id: agent_id.to_owned(),
-        client_type: ClientType::Device,
-        gateway_id: gateway_id.to_owned(),
-        connection_id: connection_id.to_owned(),
-        principal: principal.to_owned(),
-        platform: Platform::Linux,
-        target_id: None,
-        capabilities: vec![],
-        tools: vec![],
-        system_info: None,
-        metadata: None,
-        extensions: vec![],
-    }
+    serde_json::from_value(json!({
+        "version": 1, "agent_id": agent_id, "client_type": "device", "platform": "linux",
+        "gateway_id": gateway_id, "connection_id": connection_id, "principal": principal,
+    }))
+    .expect("a registration")
 }
 
 fn with_capabilities(mut request: RegisterAgent, capabilities: &[&str]) -> RegisterAgent {
@@ -357,6 +347,13 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
 
     // The holders the registrations were judged against.
     let seen: Arc<Mutex<Vec<Option<Holder>>>> = Arc::default();
+    let last_holder = |seen: &Mutex<Vec<Option<Holder>>>| {
+        seen.lock()
+            .expect("lock")
+            .pop()
+            .flatten()
+            .expect("a holder")
+    };
     let admit_and_record = {
         let seen = seen.clone();
         move |request: &RegisterAgent, holder: Option<&Holder>| {
@@ -385,12 +382,7 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
     assert!(again.agent.last_seen > first.last_seen - chrono::TimeDelta::seconds(1));
     assert_eq!(again.agent.capabilities, ["new"]);
     assert_eq!(again.agent.gateway_id, "gw-2");
-    let holder = seen
-        .lock()
-        .expect("lock")
-        .pop()
-        .flatten()
-        .expect("a holder");
+    let holder = last_holder(&seen);
     assert_eq!(
         holder,
         Holder {
@@ -428,12 +420,7 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
         matches!(&outcome.registered[0], Ok(RegisterOutcome::Registered(r)) if r.replaced_connection.as_deref() == Some("c2")),
         "{outcome:?}"
     );
-    let holder = seen
-        .lock()
-        .expect("lock")
-        .pop()
-        .flatten()
-        .expect("a holder");
+    let holder = last_holder(&seen);
     assert!(!holder.live, "a holder on a silent gateway is not live");
     f.close().await;
 }
