@@ -233,31 +233,22 @@ impl Database {
     /// Applies every embedded migration not yet applied. Migrations applied by a newer build
     /// (unknown to this one) are tolerated, so services can be upgraded one at a time.
     pub async fn migrate(&self) -> Result<(), DatabaseError> {
-        match self {
-            Database::Postgres(pool) => {
-                let mut migrator: Migrator = sqlx::migrate!("../../migrations/postgres");
-                migrator.set_ignore_missing(true);
-                migrator
-                    .run(pool)
-                    .await
-                    .map_err(|source| DatabaseError::Migrate {
-                        backend: Backend::Postgres,
-                        source,
-                    })
-            }
+        let mut migrator: Migrator = match self {
+            Database::Postgres(_) => sqlx::migrate!("../../migrations/postgres"),
+            Database::Sqlite(_) => sqlx::migrate!("../../migrations/sqlite"),
+        };
+        migrator.set_ignore_missing(true);
+        let result = match self {
+            Database::Postgres(pool) => migrator.run(pool).await,
             Database::Sqlite(pool) => {
                 let _guard = SQLITE_MIGRATION_LOCK.lock().await;
-                let mut migrator: Migrator = sqlx::migrate!("../../migrations/sqlite");
-                migrator.set_ignore_missing(true);
-                migrator
-                    .run(pool)
-                    .await
-                    .map_err(|source| DatabaseError::Migrate {
-                        backend: Backend::Sqlite,
-                        source,
-                    })
+                migrator.run(pool).await
             }
-        }
+        };
+        result.map_err(|source| DatabaseError::Migrate {
+            backend: self.backend(),
+            source,
+        })
     }
 
     /// Checks that the database answers (`SELECT 1`), for readiness probes.
