@@ -899,3 +899,84 @@ async fn ping_answers(backend: Backend) {
     assert!(err.is_unavailable(), "{err:?}");
     f.test_db.cleanup().await;
 }
+
+/// Two replicas registering the same new id at once (PostgreSQL only: SQLite's write
+/// transaction holds the whole database, so its registrations never overlap). Both read "no
+/// holder" before either inserts (their admit functions wait for each other); one insert
+/// wins, and the other registration is judged again against the row the winner wrote.
+///
+/// Each replica runs on a thread of its own with its own runtime and pool, so that an admit
+/// function blocking its thread holds up nothing but its own registration.
+#[tokio::test]
+async fn a_first_registration_beaten_to_its_id_is_judged_again() {
+    let f = Fixture::open(Backend::Postgres).await;
+    let both_read = Arc::new(Rendezvous::default());
+    let replica = |connection: &'static str, principal: &'static str| {
+        let url = f.test_db.url().to_owned();
+        let both_read = both_read.clone();
+        std::thread::spawn(move || {
+            let admit = move |request: &RegisterAgent, holder: Option<&Holder>| {
+                if holder.is_none() {
+                    both_read.meet();
+                }
+                aip_registry::registry::admit(request, holder)
+            };
+            let batch = WriteBatch {
+                registers: vec![device("pc", "gw-1", connection, principal)],
+                ..WriteBatch::default()
+            };
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let db = Database::connect(&url).await.expect("connect");
+                let outcome = store::for_database(&db)
+                    .write_batch(&batch, &WINDOWS, &admit)
+                    .await
+                    .expect("the batch commits")
+                    .registered
+                    .remove(0)
+                    .expect("judged");
+                db.close().await;
+                outcome
+            })
+        })
+    };
+    let alice = replica("c-alice", "alice");
+    let bob = replica("c-bob", "bob");
+    let alice = alice.join().expect("alice's replica");
+    let bob = bob.join().expect("bob's replica");
+    let (winner, refused) = match (&alice, &bob) {
+        (RegisterOutcome::Registered(won), RegisterOutcome::Refused(refusal))
+        | (RegisterOutcome::Refused(refusal), RegisterOutcome::Registered(won)) => (won, refusal),
+        other => panic!("one registration wins, the other is refused: {other:?}"),
+    };
+    assert_eq!(refused.error_code, ErrorCode::RegistrationFailed);
+    assert_eq!(winner.replaced_connection, None);
+    assert_eq!(f.get("pc").await, winner.agent, "the winner is stored");
+    f.close().await;
+}
+
+/// How long a replica waits for the other to read the id before the test fails.
+const RENDEZVOUS_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Two threads waiting for each other, within [`RENDEZVOUS_DEADLINE`].
+#[derive(Default)]
+struct Rendezvous {
+    arrived: Mutex<usize>,
+    changed: std::sync::Condvar,
+}
+
+impl Rendezvous {
+    fn meet(&self) {
+        let mut arrived = self.arrived.lock().expect("lock");
+        *arrived += 1;
+        self.changed.notify_all();
+        let (_arrived, wait) = self
+            .changed
+            .wait_timeout_while(arrived, RENDEZVOUS_DEADLINE, |arrived| *arrived < 2)
+            .expect("lock");
+        assert!(!wait.timed_out(), "the other replica never read the id");
+    }
+}
