@@ -9,7 +9,7 @@
 
 use std::sync::LazyLock;
 
-use aip_store::Database;
+use aip_store::{Conn, Database, List, Sql};
 use proto_schemas::sessions::{TaskEvent, TaskState};
 use proto_schemas::{ClientType, Command, ErrorCode, Platform};
 use serde_json::Value;
@@ -326,6 +326,57 @@ static PG_UPSERT_TASKS: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The reads, each written once for both databases.
+static GET_TASK: LazyLock<Sql> =
+    LazyLock::new(|| Sql::render(|_| format!("{} WHERE task_id = $1", *SELECT_TASKS)));
+static GET_TASK_BY_NAME: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|_| {
+        format!(
+            "{} WHERE task_name = $1 ORDER BY created_ms DESC LIMIT 1",
+            *SELECT_TASKS
+        )
+    })
+});
+static LIST_TASKS: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|_| {
+        format!(
+            "{} WHERE ($1 = '' OR state = $1) AND ($2 = '' OR executor_id = $2) \
+             AND ($3 = '' OR requester_id = $3) AND ($4 = '' OR task_name = $4) \
+             AND (created_ms < $5 OR (created_ms = $5 AND task_id < $6)) \
+             ORDER BY created_ms DESC, task_id DESC LIMIT $7",
+            *SELECT_TASKS
+        )
+    })
+});
+static LIVE_TASKS: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|_| {
+        format!(
+            "{} WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
+             ORDER BY created_ms, task_id",
+            *SELECT_TASKS
+        )
+    })
+});
+static TASK_OWNERS: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|backend| {
+        format!(
+            "SELECT task_id, requester_id FROM tasks WHERE {}",
+            backend.in_list("task_id", 1)
+        )
+    })
+});
+static TASK_EVENTS: Sql = Sql::same(
+    "SELECT task_id, seq, at_ms, kind, state, data FROM task_events \
+     WHERE task_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+);
+static TASK_OWNER: Sql = Sql::same("SELECT requester_id FROM tasks WHERE task_id = $1");
+/// Reads the id back, a text on both databases (`SELECT 1` is INT4 on PostgreSQL).
+static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE msg_id = $1");
+static STALE_OUTBOX: Sql = Sql::same(
+    "SELECT msg_id, subject, payload FROM task_outbox WHERE created_ms < $1 \
+     ORDER BY created_ms LIMIT $2",
+);
+
 /// A `tasks` row as the database returns it: text where [`Task`] has enums.
 #[derive(Debug, sqlx::FromRow)]
 struct TaskRecord {
@@ -495,30 +546,10 @@ impl TryFrom<EventRecord> for TaskEvent {
     }
 }
 
-/// `$1` → `?1` for SQLite.
-fn lite(sql: &str) -> String {
-    sql.replace('$', "?")
-}
-
 /// The task store.
 #[derive(Clone)]
 pub struct TaskStore {
     db: Database,
-}
-
-macro_rules! fetch {
-    ($target:expr, $ty:ty, $sql:expr, [$($arg:expr),* $(,)?], $method:ident) => {
-        match $target {
-            Target::Pg(c) => sqlx::query_as::<_, $ty>(sqlx::AssertSqlSafe(($sql).to_string()))$(.bind($arg))*.$method(c).await,
-            Target::Lite(c) => sqlx::query_as::<_, $ty>(sqlx::AssertSqlSafe(lite($sql)))$(.bind($arg))*.$method(c).await,
-        }
-    };
-}
-
-/// Where a read runs.
-enum Target<'a> {
-    Pg(&'a mut sqlx::PgConnection),
-    Lite(&'a mut sqlx::SqliteConnection),
 }
 
 /// An event to append.
@@ -812,23 +843,11 @@ impl Writer {
     /// this version cannot read is logged and left alone, so that it cannot keep every
     /// replica from leading.
     pub async fn load_live(&mut self) -> Result<Vec<Task>, StoreError> {
-        let sql = format!(
-            "{} WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
-             ORDER BY created_ms, task_id",
-            *SELECT_TASKS
-        );
-        let records = match self {
-            Writer::Pg(conn) => {
-                sqlx::query_as::<_, TaskRecord>(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(&mut *conn)
-                    .await?
-            }
-            Writer::Lite(conn) => {
-                sqlx::query_as::<_, TaskRecord>(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(&mut *conn)
-                    .await?
-            }
+        let conn = match self {
+            Writer::Pg(conn) => Conn::Postgres(conn),
+            Writer::Lite(conn) => Conn::Sqlite(conn),
         };
+        let records: Vec<TaskRecord> = conn.query(&LIVE_TASKS).fetch_all().await?;
         Ok(records
             .into_iter()
             .filter_map(|r| match Task::try_from(r) {
@@ -885,84 +904,47 @@ impl TaskStore {
         })
     }
 
-    /// Runs a read on a pooled connection.
-    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
-    where
-        F: for<'c> FnOnce(Target<'c>) -> futures::future::BoxFuture<'c, Result<T, sqlx::Error>>,
-    {
-        Ok(match &self.db {
-            Database::Postgres(pool) => {
-                let mut conn = pool.acquire().await?;
-                f(Target::Pg(&mut conn)).await?
-            }
-            Database::Sqlite(pool) => {
-                let mut conn = pool.acquire().await?;
-                f(Target::Lite(&mut conn)).await?
-            }
-        })
-    }
-
     /// One task by id.
     pub async fn get(&self, task_id: &str) -> Result<Option<Task>, StoreError> {
-        let task_id = task_id.to_owned();
-        let record = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let sql = format!("{} WHERE task_id = $1", *SELECT_TASKS);
-                    fetch!(t, TaskRecord, &sql, [task_id], fetch_optional)
-                })
-            })
+        let record: Option<TaskRecord> = self
+            .db
+            .query(&GET_TASK)
+            .bind(task_id.to_owned())
+            .fetch_optional()
             .await?;
         record.map(Task::try_from).transpose()
     }
 
     /// The newest task with a name.
     pub async fn get_by_name(&self, task_name: &str) -> Result<Option<Task>, StoreError> {
-        let task_name = task_name.to_owned();
-        let record = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let sql = format!(
-                        "{} WHERE task_name = $1 ORDER BY created_ms DESC LIMIT 1",
-                        *SELECT_TASKS
-                    );
-                    fetch!(t, TaskRecord, &sql, [task_name], fetch_optional)
-                })
-            })
+        let record: Option<TaskRecord> = self
+            .db
+            .query(&GET_TASK_BY_NAME)
+            .bind(task_name.to_owned())
+            .fetch_optional()
             .await?;
         record.map(Task::try_from).transpose()
     }
 
     /// Tasks, newest first, after a cursor (`created_ms:task_id` of the last row seen).
     pub async fn list(&self, filter: ListFilter) -> Result<Vec<Task>, StoreError> {
-        let records = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let (cursor_ms, cursor_id) = filter.cursor.unwrap_or((i64::MAX, String::new()));
-                    let sql = format!(
-                        "{} WHERE ($1 = '' OR state = $1) AND ($2 = '' OR executor_id = $2) \
-                         AND ($3 = '' OR requester_id = $3) AND ($4 = '' OR task_name = $4) \
-                         AND (created_ms < $5 OR (created_ms = $5 AND task_id < $6)) \
-                         ORDER BY created_ms DESC, task_id DESC LIMIT $7",
-                        *SELECT_TASKS
-                    );
-                    fetch!(
-                        t,
-                        TaskRecord,
-                        &sql,
-                        [
-                            filter.state.map(TaskState::as_str).unwrap_or_default(),
-                            filter.executor.unwrap_or_default(),
-                            filter.requester.unwrap_or_default(),
-                            filter.task_name.unwrap_or_default(),
-                            cursor_ms,
-                            cursor_id,
-                            filter.limit,
-                        ],
-                        fetch_all
-                    )
-                })
-            })
+        let (cursor_ms, cursor_id) = filter.cursor.unwrap_or((i64::MAX, String::new()));
+        let records: Vec<TaskRecord> = self
+            .db
+            .query(&LIST_TASKS)
+            .bind(
+                filter
+                    .state
+                    .map(|s| s.as_str().to_owned())
+                    .unwrap_or_default(),
+            )
+            .bind(filter.executor.unwrap_or_default())
+            .bind(filter.requester.unwrap_or_default())
+            .bind(filter.task_name.unwrap_or_default())
+            .bind(cursor_ms)
+            .bind(cursor_id)
+            .bind(filter.limit)
+            .fetch_all()
             .await?;
         decode_all(records)
     }
@@ -974,35 +956,26 @@ impl TaskStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<TaskEvent>, StoreError> {
-        let task_id = task_id.to_owned();
-        let records = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let sql = "SELECT task_id, seq, at_ms, kind, state, data FROM task_events \
-                        WHERE task_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
-                    fetch!(t, EventRecord, sql, [task_id, after, limit], fetch_all)
-                })
-            })
+        let records: Vec<EventRecord> = self
+            .db
+            .query(&TASK_EVENTS)
+            .bind(task_id.to_owned())
+            .bind(after)
+            .bind(limit)
+            .fetch_all()
             .await?;
         records.into_iter().map(TaskEvent::try_from).collect()
     }
 
     /// The requester of the task with this id, if it exists.
     pub async fn owner(&self, task_id: &str) -> Result<Option<String>, StoreError> {
-        let task_id = task_id.to_owned();
-        self.read(move |t| {
-            Box::pin(async move {
-                let row: Option<(String,)> = fetch!(
-                    t,
-                    (String,),
-                    "SELECT requester_id FROM tasks WHERE task_id = $1",
-                    [task_id],
-                    fetch_optional
-                )?;
-                Ok(row.map(|r| r.0))
-            })
-        })
-        .await
+        let row: Option<(String,)> = self
+            .db
+            .query(&TASK_OWNER)
+            .bind(task_id.to_owned())
+            .fetch_optional()
+            .await?;
+        Ok(row.map(|r| r.0))
     }
 
     /// The requesters of those of these task ids that exist, in one query per
@@ -1013,49 +986,26 @@ impl TaskStore {
     ) -> Result<std::collections::HashMap<String, String>, StoreError> {
         let mut owners = std::collections::HashMap::new();
         for chunk in task_ids.chunks(IDS_PER_STATEMENT) {
-            let rows: Vec<(String, String)> = match &self.db {
-                Database::Postgres(pool) => {
-                    sqlx::query_as(
-                        "SELECT task_id, requester_id FROM tasks WHERE task_id = ANY($1)",
-                    )
-                    .bind(chunk)
-                    .fetch_all(pool)
-                    .await?
-                }
-                Database::Sqlite(pool) => {
-                    let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-                        "SELECT task_id, requester_id FROM tasks WHERE task_id IN (",
-                    );
-                    let mut list = q.separated(", ");
-                    for id in chunk {
-                        list.push_bind(id.clone());
-                    }
-                    q.push(")");
-                    q.build_query_as().fetch_all(pool).await?
-                }
-            };
+            let rows: Vec<(String, String)> = self
+                .db
+                .query(&TASK_OWNERS)
+                .bind(List(chunk))
+                .fetch_all()
+                .await?;
             owners.extend(rows);
         }
         Ok(owners)
     }
 
-    /// Whether the frame with this id was applied. (It reads the id back, a text on both
-    /// databases: `SELECT 1` is INT4 on PostgreSQL and INT8 on SQLite.)
+    /// Whether the frame with this id was applied.
     pub async fn processed(&self, msg_id: &str) -> Result<bool, StoreError> {
-        let msg_id = msg_id.to_owned();
-        self.read(move |t| {
-            Box::pin(async move {
-                let row: Option<(String,)> = fetch!(
-                    t,
-                    (String,),
-                    "SELECT msg_id FROM processed_messages WHERE msg_id = $1",
-                    [msg_id],
-                    fetch_optional
-                )?;
-                Ok(row.is_some())
-            })
-        })
-        .await
+        let row: Option<(String,)> = self
+            .db
+            .query(&PROCESSED)
+            .bind(msg_id.to_owned())
+            .fetch_optional()
+            .await?;
+        Ok(row.is_some())
     }
 
     /// Outbox rows older than `older_than` (epoch ms): frames whose publish failed, or that
@@ -1066,13 +1016,11 @@ impl TaskStore {
         limit: i64,
     ) -> Result<Vec<OutFrame>, StoreError> {
         let rows: Vec<(String, String, Vec<u8>)> = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let sql = "SELECT msg_id, subject, payload FROM task_outbox WHERE created_ms < $1 \
-                        ORDER BY created_ms LIMIT $2";
-                    fetch!(t, (String, String, Vec<u8>), sql, [older_than, limit], fetch_all)
-                })
-            })
+            .db
+            .query(&STALE_OUTBOX)
+            .bind(older_than)
+            .bind(limit)
+            .fetch_all()
             .await?;
         Ok(rows
             .into_iter()
