@@ -144,6 +144,15 @@ impl Waiter {
     }
 }
 
+/// How long a task waits for the agent registry to come back: longer than a restart or a
+/// failover takes (a few seconds), short enough that the frames behind a waiting task frame in
+/// the stream are not held long.
+const REGISTRY_OUTAGE_WAIT: Duration = Duration::from_secs(8);
+/// The first pause between asks; it doubles up to [`REGISTRY_RETRY_MAX_DELAY`].
+const REGISTRY_RETRY_FIRST_DELAY: Duration = Duration::from_millis(100);
+/// The longest pause between asks.
+const REGISTRY_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
+
 /// Agents a capability lookup considers at most; the least loaded of them runs the task.
 const CAPABILITY_CANDIDATES: u32 = 50;
 
@@ -454,7 +463,7 @@ impl Engine {
                 } else {
                     format!("Device '{target}' is not connected")
                 };
-                match self.registry.get(target).await {
+                match self.patiently(|| self.registry.get(target)).await {
                     Ok(agent) if agent.status == AgentStatus::Offline => {
                         Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
                     }
@@ -476,10 +485,34 @@ impl Engine {
                     client_type: None,
                     limit: Some(CAPABILITY_CANDIDATES),
                 };
-                self.registry
-                    .lookup(&lookup)
+                self.patiently(|| self.registry.lookup(&lookup))
                     .await
                     .map_err(RegistryError::into_error_body)
+            }
+        }
+    }
+
+    /// Runs a registry request, and runs it again while no registry is running, for up to
+    /// [`REGISTRY_OUTAGE_WAIT`]: a registry restarting (or failing over) delays the tasks that
+    /// need it instead of refusing them. A registry that answers late is not asked again (it
+    /// already had the request timeout).
+    async fn patiently<T, F, Fut>(&self, request: F) -> Result<T, RegistryError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, RegistryError>>,
+    {
+        let deadline = tokio::time::Instant::now() + REGISTRY_OUTAGE_WAIT;
+        let mut delay = REGISTRY_RETRY_FIRST_DELAY;
+        loop {
+            match request().await {
+                Err(RegistryError::NotRunning)
+                    if tokio::time::Instant::now() + delay < deadline =>
+                {
+                    tracing::debug!("no agent registry is running; asking again in {delay:?}");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(REGISTRY_RETRY_MAX_DELAY);
+                }
+                other => return other,
             }
         }
     }
