@@ -54,36 +54,83 @@ pub async fn consume_frames(
     tracker: TaskTracker,
 ) {
     let stream = engine.subjects().frames_stream();
-    let deliveries = loop {
-        match engine
+    loop {
+        let deliveries = match engine
             .bus()
             .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight)
             .await
         {
-            Ok(d) => break d,
+            Ok(deliveries) => deliveries,
             Err(e) => {
-                tracing::error!("cannot consume the frames stream (retrying in 1 s): {e}");
+                tracing::error!(
+                    "cannot consume the frames stream (retrying in {CONSUMER_RETRY:?}): {e}"
+                );
                 tokio::select! {
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    () = tokio::time::sleep(CONSUMER_RETRY) => continue,
+                    () = stop.cancelled() => return,
+                }
+            }
+        };
+        match run_consumer(&engine, deliveries, &stop, &tracker).await {
+            ConsumerEnd::Stopped => return,
+            ConsumerEnd::Lost(why) => {
+                tracing::error!(
+                    "the frames consumer is lost ({why}); consuming again in {CONSUMER_RETRY:?}"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(CONSUMER_RETRY) => {}
                     () = stop.cancelled() => return,
                 }
             }
         }
-    };
+    }
+}
+
+/// How long to wait before consuming the frames stream again after a failure.
+const CONSUMER_RETRY: Duration = Duration::from_secs(1);
+
+/// Chunks in a row with nothing but receive errors after which the consumer is taken for lost
+/// (deleted, or its server restarted without it) and created again. A single error (a missed
+/// heartbeat while NATS restarts) is not enough.
+const LOST_AFTER_ERROR_CHUNKS: u32 = 20;
+
+/// Why a consumer stopped delivering.
+enum ConsumerEnd {
+    /// This replica stops leading or stops altogether.
+    Stopped,
+    /// The stream of deliveries ended or keeps failing.
+    Lost(&'static str),
+}
+
+/// Hands every delivery to the applier, in stream order, until `stop` or the consumer is lost.
+async fn run_consumer(
+    engine: &Engine,
+    deliveries: aip_bus::DurableSubscription,
+    stop: &CancellationToken,
+    tracker: &TaskTracker,
+) -> ConsumerEnd {
     let prepare_engine = engine.clone();
     let mut chunks = deliveries
         .ready_chunks(CHUNK)
         .map(move |chunk| prepare_chunk(prepare_engine.clone(), chunk))
         .buffered(PIPELINE);
+    let mut failing_chunks = 0;
     loop {
         let next = tokio::select! {
             next = chunks.next() => next,
-            () = stop.cancelled() => return,
+            () = stop.cancelled() => return ConsumerEnd::Stopped,
         };
-        let Some(chunk) = next else {
-            tracing::error!("the frames stream ended");
-            return;
+        let Some((chunk, errors)) = next else {
+            return ConsumerEnd::Lost("the stream of deliveries ended");
         };
+        if chunk.is_empty() && errors > 0 {
+            failing_chunks += 1;
+            if failing_chunks >= LOST_AFTER_ERROR_CHUNKS {
+                return ConsumerEnd::Lost("every receive fails");
+            }
+            continue;
+        }
+        failing_chunks = 0;
         for (delivery, msg_id, event, task) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
@@ -105,10 +152,9 @@ pub async fn consume_frames(
                 ),
             };
             if !engine.send_op(op).await {
-                return;
+                return ConsumerEnd::Stopped;
             }
-            let engine = engine.clone();
-            tracker.spawn(settle(engine, delivery, msg_id, inbound, done));
+            tracker.spawn(settle(engine.clone(), delivery, msg_id, inbound, done));
         }
     }
 }
@@ -117,15 +163,17 @@ pub async fn consume_frames(
 type PreparedEvent = (Delivery, String, GatewayEvent, Option<TaskFrame>);
 
 /// Reads and prepares a chunk of stream messages: bodies and events concurrently, then the
-/// chunk's `task` frames together.
+/// chunk's `task` frames together. Also returns how many receives failed.
 async fn prepare_chunk(
     engine: Engine,
     chunk: Vec<Result<Delivery, aip_bus::BusError>>,
-) -> Vec<PreparedEvent> {
+) -> (Vec<PreparedEvent>, u32) {
+    let mut errors = 0;
     let read = futures::future::join_all(chunk.into_iter().filter_map(|d| match d {
         Ok(d) => Some(read_event(&engine, d)),
         Err(e) => {
             tracing::warn!("frames stream: {e}");
+            errors += 1;
             None
         }
     }))
@@ -146,7 +194,7 @@ async fn prepare_chunk(
         prepare_us = started.elapsed().as_micros() as u64,
         "chunk prepared"
     );
-    events
+    let prepared = events
         .into_iter()
         .map(|(delivery, msg_id, event)| {
             let task = match &event {
@@ -157,7 +205,8 @@ async fn prepare_chunk(
             };
             (delivery, msg_id, event, task)
         })
-        .collect()
+        .collect();
+    (prepared, errors)
 }
 
 /// Chunks prepared at once; they reach the applier in stream order.
