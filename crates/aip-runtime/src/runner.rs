@@ -44,8 +44,10 @@ pub trait Service: Sized + Send + 'static {
     ) -> impl Future<Output = Result<Self, StartError>> + Send;
 
     /// Serves until `shutdown` completes, then drains.
-    fn run_until(self, shutdown: Shutdown)
-    -> impl Future<Output = Result<(), Self::RunError>> + Send;
+    fn run_until(
+        self,
+        shutdown: Shutdown,
+    ) -> impl Future<Output = Result<(), Self::RunError>> + Send;
 }
 
 /// Runs service `S` as a process: settings from `config` (the `--config` file, or none) and

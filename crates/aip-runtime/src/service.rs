@@ -257,10 +257,7 @@ pub trait ServiceSettings: Default + Serialize + DeserializeOwned + Send + 'stat
 }
 
 /// Checks that none of `values` (named durations, sizes, counts) is zero.
-pub fn require_positive(
-    service: ServiceName,
-    values: &[(&str, u64)],
-) -> Result<(), StartError> {
+pub fn require_positive(service: ServiceName, values: &[(&str, u64)]) -> Result<(), StartError> {
     match values.iter().find(|(_, value)| *value == 0) {
         Some((name, _)) => Err(StartError::invalid(
             service,
