@@ -24,10 +24,10 @@ impl ServiceListener {
     pub async fn bind(service: ServiceName, addr: SocketAddr) -> Result<Self, StartError> {
         let bound = TcpListener::bind(addr)
             .await
-            .map_err(|source| StartError::Bind {
+            .map_err(|cause| StartError::Bind {
                 service,
                 addr,
-                source,
+                cause,
             })?;
         Ok(ServiceListener {
             bound: Some(bound),

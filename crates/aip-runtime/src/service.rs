@@ -149,9 +149,6 @@ impl Exposure {
 /// kit and `aip dev` report start failures the same way.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The configuration could not be loaded.
-    #[error(transparent)]
-    Load(#[from] crate::settings::SettingsError),
     /// A listener would be open to the network.
     #[error(
         "refusing to serve {} on {listen} without {}: set {service_section}.{key} ({env}={example}), \
@@ -184,14 +181,14 @@ pub enum StartError {
     #[error(transparent)]
     Prefix(#[from] proto_schemas::subjects::InvalidPrefix),
     /// The bus could not be reached, or a subscription or stream could not be made.
-    #[error("bus: {0}")]
+    #[error(transparent)]
     Bus(#[from] aip_bus::BusError),
     /// The database could not be opened or migrated.
     #[error(transparent)]
     Database(#[from] aip_store::DatabaseError),
     /// The listener could not be bound.
     #[error(
-        "cannot listen on {addr}: {source}; is another process using the port? (set {}.listen, \
+        "cannot listen on {addr}: {cause}; is another process using the port? (set {}.listen, \
          {})",
         service.section(), service.env("listen")
     )]
@@ -200,8 +197,8 @@ pub enum StartError {
         service: ServiceName,
         /// The address.
         addr: SocketAddr,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause, in the message (not a `source`, so it is not printed twice).
+        cause: std::io::Error,
     },
 }
 
