@@ -31,7 +31,7 @@ pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
 /// A service the runner can start: its `Application`.
 pub trait Service: Sized + Send + 'static {
-    /// Its settings.
+    /// What [`run`] loads and checks before connecting to anything.
     type Settings: ServiceSettings;
     /// Why it stops abnormally.
     type RunError: std::error::Error + Send + Sync + 'static;

@@ -162,7 +162,7 @@ pub enum StartError {
         allow_env = service.env("allow_no_auth"),
     )]
     OpenOnNetwork {
-        /// The service refusing.
+        /// Whose keys the message names.
         service: ServiceName,
         /// The non-loopback address.
         listen: SocketAddr,
@@ -172,7 +172,7 @@ pub enum StartError {
     /// A value cannot work (a zero duration, sizes out of proportion, an unreadable file).
     #[error("invalid {} setting: {reason}", service.section())]
     Invalid {
-        /// The service refusing.
+        /// Whose section the message names.
         service: ServiceName,
         /// What is wrong, naming the key.
         reason: String,
@@ -193,9 +193,9 @@ pub enum StartError {
         service.section(), service.env("listen")
     )]
     Bind {
-        /// The service binding.
+        /// Whose `listen` key the message names.
         service: ServiceName,
-        /// The address.
+        /// What could not be bound.
         addr: SocketAddr,
         /// The cause, in the message (not a `source`, so it is not printed twice).
         cause: std::io::Error,
@@ -217,7 +217,7 @@ pub trait ServiceSettings: Default + Serialize + DeserializeOwned + Send + 'stat
     /// Which service these settings configure.
     const SERVICE: ServiceName;
 
-    /// The top-level settings.
+    /// The top-level settings, for the runner and the shared checks.
     fn common(&self) -> Common<'_>;
 
     /// What protects the service's listener (named in the refusal).

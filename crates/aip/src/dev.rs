@@ -74,7 +74,7 @@ const STOP_WAIT: Duration = Duration::from_secs(15);
 /// What `aip dev` tells its user at start.
 #[derive(Debug, Clone)]
 pub struct DevInfo {
-    /// The one address.
+    /// The one address every route is served on.
     pub addr: SocketAddr,
     /// `ws://…/ws`.
     pub ws_url: String,
@@ -101,14 +101,14 @@ pub struct DevServer {
     info: DevInfo,
 }
 
-/// The three services' routers.
+/// The three services' routers, each keeping its own authentication.
 #[derive(Clone)]
 pub struct Services {
-    /// The gateway's.
+    /// `/ws`.
     pub gateway: Router,
-    /// The registry's.
+    /// `/api/agents…`, `/api/clients`, `/api/health`.
     pub registry: Router,
-    /// The session service's.
+    /// Everything else.
     pub sessions: Router,
 }
 

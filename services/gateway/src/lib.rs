@@ -44,11 +44,11 @@ pub use settings::{GatewaySettings, Settings};
 
 /// Shared by every connection.
 pub struct AppState {
-    /// Configuration.
+    /// As loaded: connections read their limits and timeouts here.
     pub settings: Settings,
-    /// This gateway's id.
+    /// Names this gateway in presence batches and in the registry's records.
     pub gateway_id: String,
-    /// The bus.
+    /// Where frames to and from the other services travel.
     pub bus: SharedBus,
     /// Subjects under the configured prefix.
     pub subjects: Subjects,
@@ -138,7 +138,7 @@ impl Application {
         self.listener.local_addr()
     }
 
-    /// This gateway's id.
+    /// This gateway's id (configured, or the host name and a random suffix).
     pub fn gateway_id(&self) -> &str {
         &self.state.gateway_id
     }
