@@ -94,3 +94,22 @@ pub async fn connect_database(url: &str, options: &PoolOptions) -> Result<Databa
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn only_connection_failures_are_retried() {
+        let error = connect_database("mysql://db/aip", &PoolOptions::default())
+            .await
+            .expect_err("unsupported");
+        assert!(
+            matches!(
+                error,
+                StartError::Database(DatabaseError::UnsupportedUrl { .. })
+            ),
+            "{error}"
+        );
+    }
+}
