@@ -10,8 +10,12 @@
 //! every socket with 1001 so clients reconnect elsewhere.
 
 pub mod auth;
+mod client;
 pub mod connection;
 pub mod devices;
+mod events;
+mod handlers;
+mod identity;
 pub mod presence;
 pub mod rate;
 pub mod replies;

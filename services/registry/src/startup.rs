@@ -42,6 +42,8 @@ pub struct Application {
     settings: RegistrySettings,
     listener: ServiceListener,
     bus: SharedBus,
+    /// The reaper publishes the ends of expired connections on the frames subjects.
+    subjects: Subjects,
     store: Arc<dyn AgentStore>,
     probes: Probes,
     requests: RequestSubscriptions,
@@ -114,6 +116,7 @@ impl Application {
             settings,
             listener,
             bus,
+            subjects,
             store,
             probes,
             requests,
@@ -147,6 +150,7 @@ impl Application {
             settings,
             listener,
             bus,
+            subjects,
             store,
             probes,
             requests,
@@ -180,8 +184,13 @@ impl Application {
             settings.presence_flush(),
             flush_stop.clone(),
         ));
+        let notices = reaper::Notices {
+            bus: bus.clone(),
+            subjects: subjects.clone(),
+        };
         let reaper_task = tokio::spawn(reaper::run(
             store.clone(),
+            notices,
             windows,
             settings.reap_interval(),
             settings.liveness(),

@@ -18,12 +18,14 @@ use axum::routing::{get, post};
 use axum::{Json, Router, middleware};
 use futures::Stream;
 use proto_schemas::flow::TaskRequest;
-use proto_schemas::sessions::{TaskEvent, TaskView};
+use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
 use proto_schemas::{ErrorBody, ErrorCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::engine::{Engine, EngineError, NewTask, Placement, Plan, Requester, valid_task_name};
+use crate::engine::{
+    Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
+};
 use crate::store::{ListFilter, StoreError};
 use crate::workers::new_task_from_request;
 
@@ -165,14 +167,15 @@ async fn list_tasks(
     State(engine): State<Engine>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    if let Some(state) = &q.state
-        && proto_schemas::sessions::TaskState::from_wire(state).is_none()
-    {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("unknown state {state:?}"),
-        ));
-    }
+    let state = match &q.state {
+        None => None,
+        Some(state) => Some(TaskState::from_wire(state).ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("unknown state {state:?}"),
+            )
+        })?),
+    };
     let cursor = match &q.cursor {
         None => None,
         Some(c) => {
@@ -189,7 +192,7 @@ async fn list_tasks(
     };
     let limit = q.limit.unwrap_or(50).clamp(1, 500);
     let filter = ListFilter {
-        state: q.state,
+        state,
         executor: q.executor,
         requester: q.requester,
         task_name: q.task_name,
@@ -430,10 +433,7 @@ async fn ufo_dispatch(
         None => None,
         Some(Value::String(name)) if valid_task_name(name) => Some(name.clone()),
         Some(_) => {
-            return Err(ApiError::new(
-                ErrorCode::InvalidRequest,
-                "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'",
-            ));
+            return Err(ApiError::new(ErrorCode::InvalidRequest, TASK_NAME_RULE));
         }
     };
     let plan = match object.get("steps") {
@@ -446,17 +446,14 @@ async fn ufo_dispatch(
         None => Plan::Remote,
     };
     let new = NewTask {
-        task_id: None,
         task_name,
-        request,
-        data: None,
-        requester: Requester::Rest("dispatch".to_owned()),
-        placement: Placement::Target(client_id.clone()),
-        plan,
-        priority: 0,
-        callback_url: None,
-        timeout_secs: None,
         ufo_dispatch: true,
+        ..NewTask::new(
+            request,
+            Requester::Rest("dispatch".to_owned()),
+            Placement::Target(client_id.clone()),
+            plan,
+        )
     };
     let started = engine.submit(new).await.map_err(|e| match e {
         EngineError::Refused(body) if body.error_code == ErrorCode::DeviceNotFound => {
@@ -479,10 +476,7 @@ async fn ufo_task_result(
     Path(task_name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     if !valid_task_name(&task_name) {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'",
-        ));
+        return Err(ApiError::new(ErrorCode::InvalidRequest, TASK_NAME_RULE));
     }
     let task = engine.store.get_by_name(&task_name).await?.ok_or_else(|| {
         ApiError::new(ErrorCode::NotFound, format!("no task named '{task_name}'"))
@@ -492,12 +486,12 @@ async fn ufo_task_result(
     }
     let mut body = json!({
         "status": "done",
-        "result": task.result.as_ref().map(|r| r.0.clone()),
-        "state": task.state,
+        "result": task.result,
+        "state": task.state().as_str(),
         "session_id": task.task_id,
     });
     if let Some(error) = &task.error {
-        body["error"] = Value::from(error.clone());
+        body["error"] = Value::from(error.detail.clone());
     }
     Ok(Json(body))
 }

@@ -18,6 +18,7 @@ pub mod http;
 pub mod machine;
 pub mod settings;
 pub mod store;
+pub mod task;
 pub mod workers;
 
 use std::net::SocketAddr;

@@ -268,32 +268,61 @@ pub async fn run_planner(
     }
 }
 
-async fn ask_planner(engine: &Engine, request: &PlanRequest) -> PlanStep {
+/// Why the remote planner gave no step. The task fails with [`PlannerError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum PlannerError {
+    /// Nobody listens on the planner subject.
+    #[error(
+        "no planner is running on `{subject}`: start a remote planner, or give the task its steps \
+         (metadata.steps over WebSocket, `steps` over REST)"
+    )]
+    NoPlanner {
+        /// The subject asked.
+        subject: String,
+    },
+    /// The planner answered with an error.
+    #[error("the planner refused: {}", .0.detail)]
+    Refused(ErrorBody),
+    /// The planner's answer could not be read.
+    #[error("the planner's answer is not a PlanReply: {0}")]
+    BadReply(serde_json::Error),
+    /// The request failed or timed out.
+    #[error("the planner did not answer: {0}")]
+    NoAnswer(aip_bus::BusError),
+    /// The request could not be encoded.
+    #[error("the planning request could not be encoded: {0}")]
+    Encode(serde_json::Error),
+}
+
+impl PlannerError {
+    /// The code the task fails with: nothing to ask is the broker's state (UNAVAILABLE); a
+    /// planner that answered badly or not at all failed the task's command.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            PlannerError::NoPlanner { .. } => ErrorCode::Unavailable,
+            PlannerError::Encode(_) => ErrorCode::Internal,
+            PlannerError::Refused(_) | PlannerError::BadReply(_) | PlannerError::NoAnswer(_) => {
+                ErrorCode::CommandFailed
+            }
+        }
+    }
+}
+
+async fn ask_planner(engine: &Engine, request: &PlanRequest) -> Result<PlanStep, PlannerError> {
     let subject = engine.subjects().planner_next();
-    let payload = serde_json::to_vec(request).unwrap_or_default();
+    let payload = serde_json::to_vec(request).map_err(PlannerError::Encode)?;
     let timeout = Duration::from_millis(engine.settings().planner_timeout_ms);
     match engine
         .bus()
         .request(subject.clone(), Headers::new(), payload.into(), timeout)
         .await
     {
-        Ok(reply) => match serde_json::from_slice::<Reply<PlanStep>>(&reply.payload) {
-            Ok(reply) => reply.into_result().unwrap_or_else(|e| PlanStep::Fail {
-                error: format!("the planner refused: {}", e.detail),
-            }),
-            Err(e) => PlanStep::Fail {
-                error: format!("the planner's answer is not a PlanReply: {e}"),
-            },
-        },
-        Err(aip_bus::BusError::NoResponders { .. }) => PlanStep::Fail {
-            error: format!(
-                "no planner is running on `{subject}`: start a remote planner, or give the task its steps \
-                 (metadata.steps over WebSocket, `steps` over REST)"
-            ),
-        },
-        Err(e) => PlanStep::Fail {
-            error: format!("the planner did not answer: {e}"),
-        },
+        Ok(reply) => serde_json::from_slice::<Reply<PlanStep>>(&reply.payload)
+            .map_err(PlannerError::BadReply)?
+            .into_result()
+            .map_err(PlannerError::Refused),
+        Err(aip_bus::BusError::NoResponders { .. }) => Err(PlannerError::NoPlanner { subject }),
+        Err(e) => Err(PlannerError::NoAnswer(e)),
     }
 }
 
@@ -357,7 +386,13 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
             if let Reply::Error(body) = &reply {
                 headers.insert(names::ERROR_CODE, body.error_code.as_str());
             }
-            let payload = serde_json::to_vec(&reply).unwrap_or_default();
+            let payload = match serde_json::to_vec(&reply) {
+                Ok(payload) => payload,
+                Err(e) => {
+                    tracing::error!("a submission's answer could not be encoded, not sent: {e}");
+                    return;
+                }
+            };
             if let Err(e) =
                 aip_bus::respond(engine.bus().as_ref(), &message, headers, payload.into()).await
             {
@@ -368,11 +403,11 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
 }
 
 /// The reply to an accepted submission.
-pub fn accepted(task: &crate::store::TaskRow) -> TaskAccepted {
+pub fn accepted(task: &crate::task::Task) -> TaskAccepted {
     TaskAccepted {
         task_id: task.task_id.clone(),
         task_name: task.task_name.clone(),
-        executor_id: task.executor_id.clone().unwrap_or_default(),
+        executor_id: task.executor.id.clone(),
         state: task.state(),
     }
 }
@@ -390,7 +425,8 @@ pub fn new_task_from_request(
         && !crate::engine::valid_task_name(name)
     {
         return Err(invalid(format!(
-            "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.' (got {name:?})"
+            "{} (got {name:?})",
+            crate::engine::TASK_NAME_RULE
         )));
     }
     if let Some(id) = &request.task_id
@@ -410,24 +446,26 @@ pub fn new_task_from_request(
             ));
         }
     };
+    let plan = match (request.steps, request.driver) {
+        (Some(_), true) => {
+            return Err(invalid("give `steps` or `driver: true`, not both".into()));
+        }
+        (Some(steps), false) => Plan::Scripted(steps),
+        (None, true) => Plan::Driver,
+        (None, false) => Plan::Remote,
+    };
     Ok(NewTask {
         task_id: request.task_id,
         task_name: request.task_name,
-        request: request.description,
         data: request.data,
-        requester: requester(request.originating_agent_id),
-        placement,
-        plan: match (request.steps, request.driver) {
-            (Some(_), true) => {
-                return Err(invalid("give `steps` or `driver: true`, not both".into()));
-            }
-            (Some(steps), false) => Plan::Scripted(steps),
-            (None, true) => Plan::Driver,
-            (None, false) => Plan::Remote,
-        },
         priority: request.priority.unwrap_or(0),
         callback_url: request.callback_url,
         timeout_secs: request.timeout_secs,
-        ufo_dispatch: false,
+        ..NewTask::new(
+            request.description,
+            requester(request.originating_agent_id),
+            placement,
+            plan,
+        )
     })
 }
