@@ -18,6 +18,7 @@ use aip_runtime::listener::ServiceListener;
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings, StartError};
 use aip_store::Database;
+use proto_schemas::Subjects;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
