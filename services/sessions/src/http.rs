@@ -9,6 +9,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use aip_runtime::api_keys::{self, ApiKeys};
+use aip_runtime::health::{self, Probes, Readiness, Role};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -119,28 +120,27 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
     Router::new()
         .merge(api)
         .route("/openapi.json", get(|| async { Json(openapi()) }))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(health::healthz))
         .route("/readyz", get(ready))
         .with_state(engine)
 }
 
-async fn ready(State(engine): State<Engine>) -> Response {
-    if !engine.is_leading() {
-        let why = if engine.is_standby() {
-            "standby: another replica leads (this one serves reads and takes over when the leader goes)"
-        } else {
-            "starting: this replica has not taken the leadership yet"
-        };
-        return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
-    }
-    match engine.store.database().ping().await {
-        Ok(()) => "ready".into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("database unavailable: {e}"),
-        )
-            .into_response(),
-    }
+/// `/readyz`: the bus and the database answer, and this replica leads (a standby serves reads
+/// but takes no changes, so a load balancer should not send it any).
+async fn ready(State(engine): State<Engine>) -> Readiness {
+    let role = if engine.is_leading() {
+        Role::Leader
+    } else if engine.is_standby() {
+        Role::Standby
+    } else {
+        Role::Starting
+    };
+    Probes::new()
+        .bus(engine.bus().clone())
+        .database(engine.store.database().clone())
+        .check()
+        .await
+        .with_role(role)
 }
 
 async fn create_task(

@@ -1,9 +1,8 @@
-//! `aip-sessions`: the session service as a process.
+//! `aip-sessions`: the session service as a process, run by [`aip_runtime::runner`] until
+//! SIGINT/SIGTERM.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::Context;
 use clap::Parser;
 
 /// AIP session service: durable tasks, command routing, results over REST.
@@ -17,18 +16,6 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    aip_runtime::install_crypto_provider();
     let args = Args::parse();
-    let settings: aip_sessions::Settings = aip_runtime::settings::load(args.config.as_deref())?;
-    aip_runtime::telemetry::init(settings.log_format, "info");
-    let bus = aip_bus::NatsBus::connect(&settings.nats_url, "aip-sessions").await?;
-    let db = aip_store::Database::connect(&settings.database_url).await?;
-    let app = aip_sessions::Application::build(settings, Arc::new(bus), db)
-        .await
-        .context("session service did not start")?;
-    app.run_until(aip_runtime::shutdown::signal())
-        .await
-        .context("session service failed")?;
-    tracing::info!("session service stopped");
-    Ok(())
+    aip_runtime::runner::run::<aip_sessions::Application>(args.config.as_deref()).await
 }

@@ -38,12 +38,12 @@ async fn replica(stack: &Stack, name: &str) -> Replica {
     Replica { url, service }
 }
 
-async fn readyz(base: &str) -> (u16, String) {
+async fn readyz(base: &str) -> (u16, Value) {
     let response = reqwest::get(format!("{base}/readyz"))
         .await
         .expect("readyz");
     let status = response.status().as_u16();
-    (status, response.text().await.unwrap_or_default())
+    (status, response.json().await.unwrap_or_default())
 }
 
 fn task_body(n: usize) -> Value {
@@ -72,13 +72,18 @@ async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
     let second = replica(&stack, "the second replica").await;
 
     // Once it has tried to lead, the second replica is a standby: not ready, saying why.
-    let text = eventually("the second replica to find a leader", || async {
-        let (status, text) = readyz(&second.url).await;
-        (status == 503 && text.starts_with("standby")).then_some(text)
+    let body = eventually("the second replica to find a leader", || async {
+        let (status, body) = readyz(&second.url).await;
+        (status == 503 && body["role"] == "standby").then_some(body)
     })
     .await
     .expect("standby");
-    assert!(text.contains("another replica leads"), "{text}");
+    assert_eq!(body["status"], "not_ready", "{body}");
+    let why = body["checks"]["leadership"]["detail"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.contains("another replica leads"), "{body}");
+    assert_eq!(body["checks"]["database"]["ok"], true, "{body}");
     assert_eq!(
         readyz(&first.url).await.0,
         200,

@@ -2,7 +2,8 @@
 //!
 //! - `GET /api/agents`, `GET /api/agents/{id}`: agents as [`AgentRecord`]s;
 //! - `GET /api/clients`, `GET /api/health`: UFO's paths and exact shapes;
-//! - `GET /healthz`, `GET /readyz`: probes, without authentication.
+//! - `GET /healthz`, `GET /readyz`: probes, without authentication, merged in by
+//!   [`crate::Application`] ([`aip_runtime::health`]).
 //!
 //! `/api/*` needs a key when keys are configured ([`aip_runtime::api_keys`]: `X-API-Key` or
 //! `Authorization: Bearer`; 401 `{"detail": "Invalid API key", …}` or "Missing API key …").
@@ -44,8 +45,6 @@ pub fn router(state: AppState, keys: ApiKeys) -> Router {
         ));
     Router::new()
         .nest("/api", api)
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
         .fallback(not_found)
         .with_state(state)
         .layer(TraceLayer::new_for_http())
