@@ -73,6 +73,9 @@ pub enum CheckName {
     Database,
     /// This session replica leads (only the leader takes changes).
     Leadership,
+    /// The leader's frames consumer makes progress: frames it holds are acknowledged, rather
+    /// than retried forever while the stream stalls behind them.
+    Frames,
 }
 
 /// One dependency's state.
@@ -143,6 +146,15 @@ impl Readiness {
             status,
             checks,
             role: None,
+        }
+    }
+
+    /// Adds a check of the service's own (the status follows).
+    pub fn with_check(mut self, name: CheckName, check: Check) -> Self {
+        self.checks.insert(name, check);
+        Readiness {
+            role: self.role,
+            ..Readiness::from_checks(self.checks)
         }
     }
 

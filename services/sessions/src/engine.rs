@@ -156,6 +156,53 @@ const REGISTRY_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
 /// Agents a capability lookup considers at most; the least loaded of them runs the task.
 const CAPABILITY_CANDIDATES: u32 = 50;
 
+/// How the leader's frames consumer is doing, for readiness: a consumer that holds unsettled
+/// frames and has acknowledged none for [`FRAMES_STALL`] makes no progress, and the replica
+/// says so instead of reporting ready while nothing moves.
+#[derive(Debug, Default)]
+pub struct FramesProgress {
+    /// Frames handed to the applier and not yet acknowledged or released.
+    unsettled: std::sync::atomic::AtomicI64,
+    /// When a frame was last acknowledged, or the consumer went from idle to busy (epoch ms).
+    last_progress_ms: std::sync::atomic::AtomicI64,
+}
+
+/// How long a consumer holding frames may go without acknowledging one before readiness fails.
+pub const FRAMES_STALL: Duration = Duration::from_secs(30);
+
+impl FramesProgress {
+    /// A frame was handed to the applier.
+    pub fn received(&self) {
+        if self.unsettled.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.last_progress_ms.store(now_ms(), Ordering::Release);
+        }
+    }
+
+    /// A frame was acknowledged: progress.
+    pub fn acked(&self) {
+        self.unsettled.fetch_sub(1, Ordering::AcqRel);
+        self.last_progress_ms.store(now_ms(), Ordering::Release);
+    }
+
+    /// A frame was handed back for redelivery: no progress.
+    pub fn released(&self) {
+        self.unsettled.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// `None` when the consumer progresses (or holds nothing); otherwise why not.
+    pub fn stalled(&self, now_ms: i64) -> Option<String> {
+        let unsettled = self.unsettled.load(Ordering::Acquire);
+        let idle_ms = now_ms - self.last_progress_ms.load(Ordering::Acquire);
+        let limit = i64::try_from(FRAMES_STALL.as_millis()).unwrap_or(i64::MAX);
+        (unsettled > 0 && idle_ms > limit).then(|| {
+            format!(
+                "{unsettled} frames held and none acknowledged for {} s",
+                idle_ms / 1000
+            )
+        })
+    }
+}
+
 /// The handle every part of a replica shares.
 #[derive(Clone)]
 pub struct Engine {
@@ -170,6 +217,8 @@ pub struct Engine {
     leading: Arc<AtomicBool>,
     /// Another replica held the leadership when this one last tried.
     standby: Arc<AtomicBool>,
+    /// The frames consumer's progress, for readiness.
+    pub frames: Arc<FramesProgress>,
     published: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
@@ -203,6 +252,7 @@ impl Engine {
             ops: tx,
             leading: Arc::new(AtomicBool::new(false)),
             standby: Arc::new(AtomicBool::new(false)),
+            frames: Arc::default(),
             published: Arc::default(),
         };
         (engine, Applier { ops: rx })
@@ -520,22 +570,32 @@ impl Engine {
     // ----- refusals of frames -----
 
     /// Answers a refused client frame (after its batch committed): a redelivered frame that
-    /// was applied before is dropped silently; anything else gets an ERROR frame, and a
+    /// was applied before is dropped silently (unless `checked` is false: the database
+    /// checks are skipped for a frame whose refusal failed too often); anything else gets an ERROR frame, and a
     /// refused `task` also gets `task_end` (failed) so that Galaxy's pending task ends.
     pub(crate) async fn refuse_frame(
         &self,
         inbound: &InboundFrame,
         msg_id: &str,
         refusal: Refusal,
+        checked: bool,
     ) -> Result<(), StoreError> {
         let body = match refusal {
             Refusal::Now(body) => body,
+            Refusal::UnlessSeen(body, _) if !checked => body,
             Refusal::UnlessSeen(body, id) => {
                 if self.store.processed(&id).await? {
                     return Ok(());
                 }
                 body
             }
+            Refusal::NotLive { task_id } if !checked => ErrorBody::new(
+                ErrorCode::Conflict,
+                format!(
+                    "{} for session '{task_id}', which is not running",
+                    inbound.frame.kind
+                ),
+            ),
             Refusal::NotLive { task_id } => {
                 if self.store.processed(msg_id).await? {
                     return Ok(());
@@ -1102,6 +1162,25 @@ pub fn valid_task_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_consumer_holding_frames_without_acking_any_is_stalled() {
+        let progress = FramesProgress::default();
+        let later = now_ms() + 31_000;
+        assert_eq!(progress.stalled(later), None, "an idle consumer is fine");
+        progress.received();
+        progress.received();
+        assert!(progress.stalled(now_ms()).is_none(), "not yet");
+        let why = progress.stalled(later).expect("stalled");
+        assert!(why.starts_with("2 frames held"), "{why}");
+        progress.released();
+        assert!(
+            progress.stalled(later).is_some(),
+            "a frame handed back is no progress"
+        );
+        progress.acked();
+        assert_eq!(progress.stalled(later), None, "nothing held any more");
+    }
 
     #[test]
     fn task_names_follow_ufos_rules() {

@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use aip_runtime::api_keys::{self, ApiKeys};
-use aip_runtime::health::{self, Probes, Readiness, Role};
+use aip_runtime::health::{self, Check, CheckName, Probes, Readiness, Role};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -135,12 +135,20 @@ async fn ready(State(engine): State<Engine>) -> Readiness {
     } else {
         Role::Starting
     };
-    Probes::new()
+    let readiness = Probes::new()
         .bus(engine.bus().clone())
         .database(engine.store.database().clone())
         .check()
         .await
-        .with_role(role)
+        .with_role(role);
+    if role != Role::Leader {
+        return readiness;
+    }
+    let frames = match engine.frames.stalled(crate::task::now_ms()) {
+        None => Check::ok(),
+        Some(why) => Check::failed(why),
+    };
+    readiness.with_check(CheckName::Frames, frames)
 }
 
 async fn create_task(

@@ -154,6 +154,7 @@ async fn run_consumer(
             if !engine.send_op(op).await {
                 return ConsumerEnd::Stopped;
             }
+            engine.frames.received();
             tracker.spawn(settle(engine.clone(), delivery, msg_id, inbound, done));
         }
     }
@@ -229,30 +230,47 @@ async fn settle(
     match outcome {
         Ok(()) => {}
         Err(Failure::Refused(refusal)) => {
-            if let Some(inbound) = &inbound
-                && let Err(e) = engine.refuse_frame(inbound, &msg_id, refusal).await
-            {
-                tracing::warn!(
-                    attempt = delivery.delivered,
-                    "refusal not sent, will retry: {e}"
-                );
-                let _ = delivery.nak(Duration::from_millis(500)).await;
-                return;
+            if let Some(inbound) = &inbound {
+                // A refusal whose database checks keep failing is sent without them rather
+                // than holding the frame, and the frames behind it, forever.
+                let checked = delivery.delivered < REFUSAL_ATTEMPTS;
+                if let Err(e) = engine
+                    .refuse_frame(inbound, &msg_id, refusal, checked)
+                    .await
+                {
+                    tracing::warn!(
+                        attempt = delivery.delivered,
+                        "refusal not sent, will retry: {e}"
+                    );
+                    let _ = delivery.nak(REDELIVERY_DELAY).await;
+                    engine.frames.released();
+                    return;
+                }
             }
         }
         Err(Failure::Store(e)) => {
+            // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
             tracing::warn!(
                 attempt = delivery.delivered,
                 "frame not applied, will retry: {e}"
             );
-            let _ = delivery.nak(Duration::from_millis(500)).await;
+            let _ = delivery.nak(REDELIVERY_DELAY).await;
+            engine.frames.released();
             return;
         }
     }
     if let Err(e) = delivery.ack().await {
         tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
     }
+    engine.frames.acked();
 }
+
+/// How soon a frame handed back is delivered again.
+const REDELIVERY_DELAY: Duration = Duration::from_millis(500);
+
+/// Deliveries of a refused frame after which its refusal is sent without the database checks
+/// that keep failing (was it applied before? has its task ended?).
+const REFUSAL_ATTEMPTS: u64 = 10;
 
 /// Reads one delivery: its message id, and its event (through the blob store for a large
 /// body). `None` when it was settled here: an unreadable event is dropped, a body not
