@@ -56,6 +56,8 @@ pub struct AppState {
     pub bus: SharedBus,
     /// Subjects under the configured prefix.
     pub subjects: Subjects,
+    /// Register, unregister and device information on other gateways.
+    pub registry: aip_bus::registry::RegistryClient,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
     /// Who may connect.
@@ -121,7 +123,13 @@ impl Application {
             .gateway_id
             .clone()
             .unwrap_or_else(default_gateway_id);
+        let registry = aip_bus::registry::RegistryClient::new(
+            bus.clone(),
+            subjects.clone(),
+            std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
+        );
         let state = Arc::new(AppState {
+            registry,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
             settings,
             gateway_id,

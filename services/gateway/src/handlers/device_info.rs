@@ -57,7 +57,7 @@ pub(crate) async fn handle(
             }
         };
     }
-    let agent = match super::registry(&client.state).get(&target).await {
+    let agent = match client.state.registry.get(&target).await {
         Ok(agent) => Some(agent),
         Err(RegistryError::Refused(_)) => None,
         Err(e) => {

@@ -12,12 +12,8 @@ pub(crate) mod forward;
 pub(crate) mod heartbeat;
 pub(crate) mod register;
 
-use std::time::Duration;
-
-use aip_bus::RegistryClient;
 use proto_schemas::{ClientMessage, ClientMessageType, ErrorCode, FrameError, server};
 
-use crate::AppState;
 use crate::client::{Client, End};
 use crate::connection::close;
 use crate::rate::Admission;
@@ -76,13 +72,4 @@ pub(crate) async fn dispatch(
         | ClientMessageType::ClarificationResponse
         | ClientMessageType::Handoff => forward::handle(client, &identity, frame).await,
     }
-}
-
-/// The registry, as this gateway's settings reach it.
-pub(crate) fn registry(state: &AppState) -> RegistryClient {
-    RegistryClient::new(
-        state.bus.clone(),
-        state.subjects.clone(),
-        Duration::from_millis(state.settings.gateway.request_timeout_ms),
-    )
 }

@@ -99,7 +99,7 @@ pub(crate) async fn handle(
             ));
         }
     };
-    let registered = match super::registry(&state).register(&request).await {
+    let registered = match state.registry.register(&request).await {
         Ok(registered) => registered,
         Err(RegistryError::Refused(body)) => {
             return Err(refuse(client, body.error_code, body.detail, close::NORMAL));
@@ -203,7 +203,7 @@ pub(crate) async fn unregister(
         connection_id: connection_id.to_owned(),
         reason: reason.to_owned(),
     };
-    if let Err(e) = super::registry(state).unregister(&request).await {
+    if let Err(e) = state.registry.unregister(&request).await {
         tracing::warn!(client = %identity.client_id, "unregister not confirmed: {e}");
     }
 }
