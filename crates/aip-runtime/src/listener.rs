@@ -19,7 +19,29 @@ pub struct ServiceListener {
     configured: SocketAddr,
 }
 
+/// Whether a service binds a listener of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listening {
+    /// Its binary (and tests): the configured address is bound at build time.
+    Own,
+    /// Embedded in another server (`aip dev`), which serves the service's router: nothing is
+    /// bound.
+    Embedded,
+}
+
 impl ServiceListener {
+    /// The listener `listening` asks for, on `addr`.
+    pub async fn open(
+        service: ServiceName,
+        addr: SocketAddr,
+        listening: Listening,
+    ) -> Result<Self, StartError> {
+        match listening {
+            Listening::Own => Self::bind(service, addr).await,
+            Listening::Embedded => Ok(Self::embedded(addr)),
+        }
+    }
+
     /// Binds `addr` (port 0 picks a free port).
     pub async fn bind(service: ServiceName, addr: SocketAddr) -> Result<Self, StartError> {
         let bound = TcpListener::bind(addr)

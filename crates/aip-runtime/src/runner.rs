@@ -50,6 +50,15 @@ pub trait Service: Sized + Send + 'static {
     ) -> impl Future<Output = Result<(), Self::RunError>> + Send;
 }
 
+/// The database a service that keeps tables needs: [`run`] opens one when the settings name
+/// a `database_url`.
+pub fn require_database(
+    service: crate::service::ServiceName,
+    database: Option<Database>,
+) -> Result<Database, StartError> {
+    database.ok_or_else(|| StartError::invalid(service, "database_url is required"))
+}
+
 /// Runs service `S` as a process: settings from `config` (the `--config` file, or none) and
 /// the `AIP_…` environment, until SIGINT or SIGTERM.
 pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {

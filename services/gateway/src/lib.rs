@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use aip_bus::SharedBus;
 use aip_runtime::health::Probes;
-use aip_runtime::listener::ServiceListener;
+use aip_runtime::listener::{Listening, ServiceListener};
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings};
 use aip_store::Database;
@@ -81,29 +81,19 @@ pub struct Application {
 impl Application {
     /// Validates settings, loads credentials and binds the listener.
     pub async fn build(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
-        let listen = settings.gateway.listen;
-        Self::assemble(
-            settings,
-            bus,
-            ServiceListener::bind(ServiceName::Gateway, listen),
-        )
-        .await
+        Self::assemble(settings, bus, Listening::Own).await
     }
 
     /// As [`Application::build`], without a listener of its own: the caller serves
     /// [`Application::router`] (`aip dev` on its one address).
     pub async fn build_embedded(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
-        let listen = settings.gateway.listen;
-        Self::assemble(settings, bus, async move {
-            Ok(ServiceListener::embedded(listen))
-        })
-        .await
+        Self::assemble(settings, bus, Listening::Embedded).await
     }
 
     async fn assemble(
         settings: Settings,
         bus: SharedBus,
-        listener: impl Future<Output = Result<ServiceListener, StartError>>,
+        listening: Listening,
     ) -> Result<Self, StartError> {
         let subjects = settings.validate()?;
         let credentials = match &settings.gateway.credentials_file {
@@ -117,7 +107,8 @@ impl Application {
                 "cannot create the blob stream (frames over the bus limit will fail): {e}"
             );
         }
-        let listener = listener.await?;
+        let listener =
+            ServiceListener::open(ServiceName::Gateway, settings.gateway.listen, listening).await?;
         let gateway_id = settings
             .gateway
             .gateway_id

@@ -14,7 +14,7 @@ use std::time::Duration;
 use aip_bus::SharedBus;
 use aip_runtime::api_keys::ApiKeys;
 use aip_runtime::health::Probes;
-use aip_runtime::listener::ServiceListener;
+use aip_runtime::listener::{Listening, ServiceListener};
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings, StartError};
 use aip_store::Database;
@@ -59,14 +59,7 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        let listen = settings.registry.listen;
-        Self::assemble(
-            settings,
-            bus,
-            db,
-            ServiceListener::bind(ServiceName::Registry, listen),
-        )
-        .await
+        Self::assemble(settings, bus, db, Listening::Own).await
     }
 
     /// As [`Application::build`], without a listener of its own: the caller serves
@@ -76,18 +69,14 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        let listen = settings.registry.listen;
-        Self::assemble(settings, bus, db, async move {
-            Ok(ServiceListener::embedded(listen))
-        })
-        .await
+        Self::assemble(settings, bus, db, Listening::Embedded).await
     }
 
     async fn assemble(
         settings: Settings,
         bus: SharedBus,
         db: Database,
-        listener: impl Future<Output = Result<ServiceListener, StartError>>,
+        listening: Listening,
     ) -> Result<Self, StartError> {
         let subjects = settings.validate()?;
         let Settings {
@@ -99,7 +88,8 @@ impl Application {
         let presence = bus
             .queue_subscribe(subjects.presence_all(), QUEUE_GROUP.to_owned())
             .await?;
-        let listener = listener.await?;
+        let listener =
+            ServiceListener::open(ServiceName::Registry, settings.listen, listening).await?;
         let http_addr = listener.local_addr();
         if settings.api_keys.is_empty() {
             tracing::warn!(%http_addr, "no API keys configured: /api/* is open (loopback or allow_no_auth)");
@@ -263,9 +253,7 @@ impl runner::Service for Application {
         bus: SharedBus,
         database: Option<Database>,
     ) -> Result<Self, StartError> {
-        let database = database.ok_or_else(|| {
-            StartError::invalid(ServiceName::Registry, "database_url is required")
-        })?;
+        let database = runner::require_database(ServiceName::Registry, database)?;
         Application::build(settings, bus, database).await
     }
 

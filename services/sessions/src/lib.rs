@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use aip_bus::SharedBus;
 use aip_runtime::api_keys::ApiKeys;
-use aip_runtime::listener::ServiceListener;
+use aip_runtime::listener::{Listening, ServiceListener};
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings};
 use aip_store::Database;
@@ -52,14 +52,7 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        let listen = settings.sessions.listen;
-        Self::assemble(
-            settings,
-            bus,
-            db,
-            ServiceListener::bind(ServiceName::Sessions, listen),
-        )
-        .await
+        Self::assemble(settings, bus, db, Listening::Own).await
     }
 
     /// As [`Application::build`], without a listener of its own: the caller serves
@@ -69,25 +62,23 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        let listen = settings.sessions.listen;
-        Self::assemble(settings, bus, db, async move {
-            Ok(ServiceListener::embedded(listen))
-        })
-        .await
+        Self::assemble(settings, bus, db, Listening::Embedded).await
     }
 
     async fn assemble(
         settings: Settings,
         bus: SharedBus,
         db: Database,
-        listener: impl Future<Output = Result<ServiceListener, StartError>>,
+        listening: Listening,
     ) -> Result<Self, StartError> {
         let subjects = settings.validate()?;
         db.migrate().await?;
         let store = store::TaskStore::new(db);
         let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
         workers::ensure_frames_stream(&engine).await?;
-        let listener = listener.await?;
+        let listener =
+            ServiceListener::open(ServiceName::Sessions, settings.sessions.listen, listening)
+                .await?;
         Ok(Application {
             listener,
             engine,
@@ -185,9 +176,7 @@ impl runner::Service for Application {
         bus: SharedBus,
         database: Option<Database>,
     ) -> Result<Self, StartError> {
-        let database = database.ok_or_else(|| {
-            StartError::invalid(ServiceName::Sessions, "database_url is required")
-        })?;
+        let database = runner::require_database(ServiceName::Sessions, database)?;
         Application::build(settings, bus, database).await
     }
 
