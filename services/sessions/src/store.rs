@@ -326,36 +326,28 @@ static PG_UPSERT_TASKS: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// A read of whole tasks: every column, then `tail` (the same text on both databases).
+fn select_tasks(tail: &str) -> Sql {
+    Sql::render(|_| format!("{} {tail}", *SELECT_TASKS))
+}
+
 /// The reads, each written once for both databases.
-static GET_TASK: LazyLock<Sql> =
-    LazyLock::new(|| Sql::render(|_| format!("{} WHERE task_id = $1", *SELECT_TASKS)));
-static GET_TASK_BY_NAME: LazyLock<Sql> = LazyLock::new(|| {
-    Sql::render(|_| {
-        format!(
-            "{} WHERE task_name = $1 ORDER BY created_ms DESC LIMIT 1",
-            *SELECT_TASKS
-        )
-    })
-});
+static GET_TASK: LazyLock<Sql> = LazyLock::new(|| select_tasks("WHERE task_id = $1"));
+static GET_TASK_BY_NAME: LazyLock<Sql> =
+    LazyLock::new(|| select_tasks("WHERE task_name = $1 ORDER BY created_ms DESC LIMIT 1"));
 static LIST_TASKS: LazyLock<Sql> = LazyLock::new(|| {
-    Sql::render(|_| {
-        format!(
-            "{} WHERE ($1 = '' OR state = $1) AND ($2 = '' OR executor_id = $2) \
-             AND ($3 = '' OR requester_id = $3) AND ($4 = '' OR task_name = $4) \
-             AND (created_ms < $5 OR (created_ms = $5 AND task_id < $6)) \
-             ORDER BY created_ms DESC, task_id DESC LIMIT $7",
-            *SELECT_TASKS
-        )
-    })
+    select_tasks(
+        "WHERE ($1 = '' OR state = $1) AND ($2 = '' OR executor_id = $2) \
+         AND ($3 = '' OR requester_id = $3) AND ($4 = '' OR task_name = $4) \
+         AND (created_ms < $5 OR (created_ms = $5 AND task_id < $6)) \
+         ORDER BY created_ms DESC, task_id DESC LIMIT $7",
+    )
 });
 static LIVE_TASKS: LazyLock<Sql> = LazyLock::new(|| {
-    Sql::render(|_| {
-        format!(
-            "{} WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
-             ORDER BY created_ms, task_id",
-            *SELECT_TASKS
-        )
-    })
+    select_tasks(
+        "WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
+         ORDER BY created_ms, task_id",
+    )
 });
 static TASK_OWNERS: LazyLock<Sql> = LazyLock::new(|| {
     Sql::render(|backend| {
