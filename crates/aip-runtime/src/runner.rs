@@ -59,6 +59,25 @@ pub fn require_database(
     database.ok_or_else(|| StartError::invalid(service, "database_url is required"))
 }
 
+/// The command line every service binary takes.
+#[derive(Debug, clap::Parser)]
+#[command(version)]
+struct Args {
+    /// Configuration file (TOML or JSON); environment variables `AIP_…` override it.
+    #[arg(long, short = 'c', env = "AIP_CONFIG")]
+    config: Option<std::path::PathBuf>,
+}
+
+/// A service binary's `main`: parses the command line (`--config`, `--version`, `--help`
+/// with `about`), then [`run`]s service `S`.
+pub async fn main<S: Service>(about: &'static str) -> anyhow::Result<()> {
+    use clap::{CommandFactory, FromArgMatches};
+    let binary = <S::Settings as ServiceSettings>::SERVICE.binary();
+    let matches = Args::command().name(binary).about(about).get_matches();
+    let args = Args::from_arg_matches(&matches)?;
+    run::<S>(args.config.as_deref()).await
+}
+
 /// Runs service `S` as a process: settings from `config` (the `--config` file, or none) and
 /// the `AIP_…` environment, until SIGINT or SIGTERM.
 pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {

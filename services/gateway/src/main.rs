@@ -1,21 +1,10 @@
-//! `aip-gateway`: the WebSocket gateway as a process, run by [`aip_runtime::runner`] until
-//! SIGINT/SIGTERM.
-
-use std::path::PathBuf;
-
-use clap::Parser;
-
-/// AIP WebSocket gateway: clients connect to /ws; frames travel over NATS.
-#[derive(Debug, Parser)]
-#[command(name = "aip-gateway", version)]
-struct Args {
-    /// Configuration file (TOML or JSON); environment variables AIP_… override it.
-    #[arg(long, env = "AIP_CONFIG")]
-    config: Option<PathBuf>,
-}
+//! `aip-gateway`: the WebSocket gateway as a process. Runs until SIGINT/SIGTERM through
+//! [`aip_runtime::runner`].
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    aip_runtime::runner::run::<aip_gateway::Application>(args.config.as_deref()).await
+    aip_runtime::runner::main::<aip_gateway::Application>(
+        "AIP WebSocket gateway: clients connect to /ws; frames travel over NATS.",
+    )
+    .await
 }
