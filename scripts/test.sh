@@ -13,6 +13,8 @@
 #   DATABASE_URL   postgres://postgres@127.0.0.1:5432/postgres
 #   SQLX_OFFLINE   true: sqlx's query macros read the committed .sqlx/ data instead of
 #                  checking queries against DATABASE_URL at build time (set false to override)
+#   AIP_REQUIRE_PYTHON_EXAMPLES  1: the Python example tests fail without their packages
+#                  (0 lets them skip)
 # Works from any directory.
 set -euo pipefail
 
@@ -42,15 +44,17 @@ step "services (scripts/ensure-services.sh)"
 scripts/ensure-services.sh
 
 step "Python packages for the examples' tests (scripts/python-requirements.txt)"
+# The example tests must run, not skip: without the packages they fail. Only an explicit
+# AIP_REQUIRE_PYTHON_EXAMPLES=0 lets them skip (a machine that cannot have Python).
+export AIP_REQUIRE_PYTHON_EXAMPLES="${AIP_REQUIRE_PYTHON_EXAMPLES:-1}"
 if command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
-  if python3 -m pip install -q --disable-pip-version-check -r scripts/python-requirements.txt; then
-    # Installed: the example tests must run, not skip.
-    export AIP_REQUIRE_PYTHON_EXAMPLES="${AIP_REQUIRE_PYTHON_EXAMPLES:-1}"
-  else
-    echo "test.sh: WARNING: pip could not install scripts/python-requirements.txt; the Python example tests will skip" >&2
-  fi
-else
-  echo "test.sh: WARNING: python3 with pip not found; the Python example tests will skip" >&2
+  python3 -m pip install -q --disable-pip-version-check -r scripts/python-requirements.txt ||
+    [[ "$AIP_REQUIRE_PYTHON_EXAMPLES" != 1 ]] ||
+    die "pip could not install scripts/python-requirements.txt (see above)." \
+      "The Python example tests need them; set AIP_REQUIRE_PYTHON_EXAMPLES=0 to let them skip."
+elif [[ "$AIP_REQUIRE_PYTHON_EXAMPLES" == 1 ]]; then
+  die "python3 with pip was not found; the Python example tests need it." \
+    "Install python3 and pip, or set AIP_REQUIRE_PYTHON_EXAMPLES=0 to let the tests skip."
 fi
 
 # `--workspace` would override a package selection (-p/--package) given as an argument.

@@ -5,7 +5,7 @@
 
 use serde_json::{Value, json};
 
-use crate::enums::{Extension, ServerMessageType as T, TaskStatus};
+use crate::enums::{ClientMessageType, Extension, ServerMessageType as T, TaskStatus};
 use crate::error::ErrorCode;
 use crate::frames::{Command, ServerMessage};
 
@@ -140,6 +140,31 @@ pub fn command(
     m
 }
 
+/// The answer to a refused client frame: an ERROR (about its session when it names one) and,
+/// for a refused `task` with a session id, the failed `task_end` the wire contract promises,
+/// so that Galaxy's pending task ends at once instead of timing out.
+pub fn refusal(
+    kind: ClientMessageType,
+    session_id: Option<&str>,
+    code: ErrorCode,
+    text: &str,
+) -> Vec<ServerMessage> {
+    match session_id {
+        None => vec![error(code, text)],
+        Some(sid) if kind == ClientMessageType::Task => vec![
+            session_error(code, text, sid),
+            task_end(
+                sid,
+                TaskStatus::Failed,
+                None,
+                Some(text.to_owned()),
+                &new_id(),
+            ),
+        ],
+        Some(sid) => vec![session_error(code, text, sid)],
+    }
+}
+
 /// `task_end`: the end of a session, to requester and executor. A failed end always says why.
 pub fn task_end(
     session_id: &str,
@@ -170,6 +195,36 @@ pub fn dispatch_task(user_request: &str, task_name: &str, session_id: &str) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_task_also_ends_and_other_refusals_only_explain() {
+        let task = refusal(
+            ClientMessageType::Task,
+            Some("s1"),
+            ErrorCode::Conflict,
+            "taken",
+        );
+        let kinds: Vec<T> = task.iter().map(|m| m.kind).collect();
+        assert_eq!(kinds, [T::Error, T::TaskEnd]);
+        assert_eq!(task[1].status, TaskStatus::Failed);
+        assert_eq!(task[1].error.as_deref(), Some("taken"));
+        assert_eq!(task[0].session_id.as_deref(), Some("s1"));
+
+        let results = refusal(
+            ClientMessageType::CommandResults,
+            Some("s1"),
+            ErrorCode::Forbidden,
+            "not yours",
+        );
+        assert_eq!(results.len(), 1);
+        let anonymous = refusal(ClientMessageType::Task, None, ErrorCode::Forbidden, "no");
+        assert_eq!(
+            anonymous.len(),
+            1,
+            "without a session there is no task to end"
+        );
+        assert_eq!(anonymous[0].session_id, None);
+    }
 
     #[test]
     fn timestamps_look_like_ufos() {

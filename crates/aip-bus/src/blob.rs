@@ -77,10 +77,11 @@ impl BlobStore {
         let blob = bus
             .put_blob(self.stream.clone(), subject, payload, Self::chunk_size(bus))
             .await?;
-        headers.insert(
-            BLOB_HEADER,
-            serde_json::to_string(&blob).unwrap_or_default(),
-        );
+        let reference = serde_json::to_string(&blob).map_err(|source| BusError::Encode {
+            what: "a large body's blob reference",
+            source,
+        })?;
+        headers.insert(BLOB_HEADER, reference);
         Ok(Bytes::new())
     }
 

@@ -60,4 +60,12 @@ pub enum BusError {
         /// The cause.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A header or body the bus itself writes could not be encoded.
+    #[error("cannot encode {what}: {source}")]
+    Encode {
+        /// What was being encoded.
+        what: &'static str,
+        /// The cause.
+        source: serde_json::Error,
+    },
 }

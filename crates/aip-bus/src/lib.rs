@@ -17,6 +17,7 @@ mod error;
 mod headers;
 mod local;
 mod nats;
+pub mod registry;
 
 use std::time::Duration;
 
@@ -31,6 +32,7 @@ pub use error::BusError;
 pub use headers::{Headers, names};
 pub use local::LocalBus;
 pub use nats::NatsBus;
+pub use registry::{RegistryClient, RegistryError};
 
 /// A message as delivered to a subscriber.
 #[derive(Debug, Clone)]

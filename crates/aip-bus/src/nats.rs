@@ -58,6 +58,20 @@ fn convert(message: async_nats::Message) -> Message {
     }
 }
 
+impl NatsBus {
+    /// Refuses a payload the server would not take (its `max_payload`), with the sizes.
+    fn check_size(&self, payload: &Bytes) -> Result<(), BusError> {
+        let limit = self.client.server_info().max_payload;
+        if limit > 0 && payload.len() > limit {
+            return Err(BusError::PayloadTooLarge {
+                size: payload.len(),
+                limit,
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Bus for NatsBus {
     fn publish(
         &self,
@@ -66,13 +80,7 @@ impl Bus for NatsBus {
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
-            let limit = self.client.server_info().max_payload;
-            if limit > 0 && payload.len() > limit {
-                return Err(BusError::PayloadTooLarge {
-                    size: payload.len(),
-                    limit,
-                });
-            }
+            self.check_size(&payload)?;
             let result = if headers.is_empty() {
                 self.client.publish(subject.clone(), payload).await
             } else {
@@ -200,13 +208,7 @@ impl Bus for NatsBus {
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
-            let limit = self.client.server_info().max_payload;
-            if limit > 0 && payload.len() > limit {
-                return Err(BusError::PayloadTooLarge {
-                    size: payload.len(),
-                    limit,
-                });
-            }
+            self.check_size(&payload)?;
             let ack = self
                 .jetstream
                 .publish_with_headers(subject.clone(), headers.to_nats(), payload)

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::{Bus, BusError, Headers, LocalBus, NatsBus, SharedBus, names, respond};
+use aip_testkit::within;
 use futures::StreamExt;
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -58,9 +59,8 @@ async fn publish_subscribe_with_headers_and_wildcards(bus: SharedBus) {
         .await
         .expect("publish");
     for sub in [&mut exact, &mut star, &mut tail] {
-        let m = tokio::time::timeout(WAIT, sub.next())
+        let m = within(WAIT, "the message", sub.next())
             .await
-            .expect("in time")
             .expect("a message");
         assert_eq!(m.subject, format!("{p}.a.b"));
         assert_eq!(&m.payload[..], b"hello");
@@ -73,9 +73,8 @@ async fn publish_subscribe_with_headers_and_wildcards(bus: SharedBus) {
     bus.publish(format!("{p}.a.b.c"), Headers::new(), "deep".into())
         .await
         .expect("publish");
-    let m = tokio::time::timeout(WAIT, tail.next())
+    let m = within(WAIT, "the deep message", tail.next())
         .await
-        .expect("in time")
         .expect("a message");
     assert_eq!(&m.payload[..], b"deep");
     assert!(
@@ -139,7 +138,9 @@ async fn request_reply_and_its_errors(bus: SharedBus) {
         .expect_err("timeout");
     assert!(matches!(err, BusError::Timeout { .. }), "{err:?}");
     assert!(
-        silent.next().await.is_some(),
+        within(WAIT, "the request at the silent responder", silent.next())
+            .await
+            .is_some(),
         "the silent responder got the request"
     );
     responder.abort();
@@ -305,9 +306,8 @@ async fn durable_streams_deduplicate_and_redeliver(bus: SharedBus) {
 both!(durable_streams_deduplicate_and_redeliver);
 
 async fn next_delivery(d: &mut aip_bus::DurableSubscription) -> aip_bus::Delivery {
-    tokio::time::timeout(WAIT, d.next())
+    within(WAIT, "a delivery", d.next())
         .await
-        .expect("in time")
         .expect("open")
         .expect("delivery")
 }

@@ -1,6 +1,10 @@
 //! # aip-runtime: what every aip binary shares
 //!
 //! - [`api_error`]: the one REST error, extractors that refuse with it, shared OpenAPI parts;
+//! - [`service`]: what every service's settings share, checked once, and [`StartError`];
+//! - [`runner`]: the one `main` of every service binary;
+//! - [`listener`]: a service's own listener, or none when `aip dev` embeds it;
+//! - [`health`]: `/healthz` and `/readyz`, one body shape everywhere;
 //! - [`api_keys`]: REST API keys (`X-API-Key` or `Authorization: Bearer`);
 //! - [`settings`]: layered configuration (embedded defaults, optional file, `AIP_…` environment);
 //! - [`telemetry`]: tracing initialised in one place;
@@ -9,9 +13,15 @@
 
 pub mod api_error;
 pub mod api_keys;
+pub mod health;
+pub mod listener;
+pub mod runner;
+pub mod service;
 pub mod settings;
 pub mod shutdown;
 pub mod telemetry;
+
+pub use service::{ServiceName, ServiceSettings, StartError};
 
 /// Installs rustls' ring crypto provider for the process. Call once at the start of `main`
 /// (and of test harnesses) before any TLS client is built; later calls do nothing.

@@ -5,6 +5,7 @@
 //! variables `AIP_<SECTION>__<KEY>` (double underscore between levels; e.g.
 //! `AIP_GATEWAY__LISTEN=0.0.0.0:5000`, `AIP_NATS_URL=nats://nats:4222`).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde::de::DeserializeOwned;
@@ -31,6 +32,28 @@ pub fn load<T>(file: Option<&Path>) -> Result<T, SettingsError>
 where
     T: Default + Serialize + DeserializeOwned,
 {
+    load_with(file, None)
+}
+
+/// As [`load`], with `environment` in place of the process's variables: tests check variable
+/// names without changing the process's environment.
+pub fn load_from<T>(
+    file: Option<&Path>,
+    environment: HashMap<String, String>,
+) -> Result<T, SettingsError>
+where
+    T: Default + Serialize + DeserializeOwned,
+{
+    load_with(file, Some(environment))
+}
+
+fn load_with<T>(
+    file: Option<&Path>,
+    environment: Option<HashMap<String, String>>,
+) -> Result<T, SettingsError>
+where
+    T: Default + Serialize + DeserializeOwned,
+{
     let wrap = |source| SettingsError::Invalid {
         file: file.map(|f| f.display().to_string()),
         source,
@@ -44,7 +67,8 @@ where
         config::Environment::with_prefix("AIP")
             .prefix_separator("_")
             .separator("__")
-            .try_parsing(true),
+            .try_parsing(true)
+            .source(environment),
     );
     builder
         .build()

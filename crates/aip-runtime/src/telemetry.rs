@@ -3,7 +3,7 @@
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt;
 
-/// Log format.
+/// How log lines are written (`AIP_LOG_FORMAT=pretty|json`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LogFormat {

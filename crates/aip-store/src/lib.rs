@@ -8,13 +8,18 @@
 //! starting together apply each migration once; on SQLite a process-wide lock does the same
 //! for services sharing one process.
 //!
-//! Services build their own stores (e.g. the registry's `AgentStore`) over the pool inside;
-//! this crate knows no table.
+//! Services build their own stores (e.g. the registry's `AgentStore`) on it; this crate
+//! knows no table. What differs between the two databases is stated once, in [`sql`]:
+//! statements ([`Sql`]) written once with the fragments of [`Backend`] where the dialects
+//! differ, run with [`Database::query`], [`Conn::query`] or [`Tx::query`].
 //!
 //! With the `testing` feature, `testing::TestDatabase` makes a throwaway database per test.
 
-#[cfg(feature = "testing")]
+pub mod sql;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
+
+pub use sql::{AnyValue, Conn, FromAnyRow, List, Query, Sql, Timestamp, Tx};
 
 use std::path::Path;
 use std::str::FromStr;
@@ -35,12 +40,12 @@ pub enum Database {
     Sqlite(SqlitePool),
 }
 
-/// Which database a [`Database`] talks to.
+/// Which database a [`Database`] talks to: its SQL dialect, whose differences are the
+/// fragments in [`sql`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)] // the variants name their database
 pub enum Backend {
-    /// PostgreSQL.
     Postgres,
-    /// SQLite.
     Sqlite,
 }
 
@@ -78,6 +83,7 @@ impl Default for PoolOptions {
 /// Why the database could not be opened or migrated. Every message names the URL with its
 /// password masked, and says what to do.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // the fields are named for what they hold
 pub enum DatabaseError {
     /// The URL's scheme is none of `postgres://`, `postgresql://`, `sqlite://`.
     #[error(
@@ -93,27 +99,22 @@ pub enum DatabaseError {
     InvalidUrl {
         /// The URL, password masked.
         url: String,
-        /// The parser's complaint.
         source: sqlx::Error,
     },
     /// The directory of an SQLite file could not be created.
     #[error("cannot create directory {path} for the SQLite database: {source}")]
     CreateDir {
-        /// The directory.
         path: String,
-        /// The cause.
         source: std::io::Error,
     },
     /// Connecting failed.
     #[error("cannot connect to {backend} at `{url}`: {source}. {hint}")]
     Connect {
-        /// Which database.
         backend: Backend,
         /// The URL, password masked.
         url: String,
         /// What to check.
         hint: String,
-        /// The cause.
         source: sqlx::Error,
     },
     /// Applying migrations failed.
@@ -122,9 +123,7 @@ pub enum DatabaseError {
          applied, restore it and add a new one instead"
     )]
     Migrate {
-        /// Which database.
         backend: Backend,
-        /// The cause.
         source: MigrateError,
     },
 }
@@ -223,7 +222,7 @@ impl Database {
         }
     }
 
-    /// Which database this is.
+    /// Its dialect, for the statements written per database ([`Sql`]).
     pub fn backend(&self) -> Backend {
         match self {
             Database::Postgres(_) => Backend::Postgres,
@@ -234,31 +233,22 @@ impl Database {
     /// Applies every embedded migration not yet applied. Migrations applied by a newer build
     /// (unknown to this one) are tolerated, so services can be upgraded one at a time.
     pub async fn migrate(&self) -> Result<(), DatabaseError> {
-        match self {
-            Database::Postgres(pool) => {
-                let mut migrator: Migrator = sqlx::migrate!("../../migrations/postgres");
-                migrator.set_ignore_missing(true);
-                migrator
-                    .run(pool)
-                    .await
-                    .map_err(|source| DatabaseError::Migrate {
-                        backend: Backend::Postgres,
-                        source,
-                    })
-            }
+        let mut migrator: Migrator = match self {
+            Database::Postgres(_) => sqlx::migrate!("../../migrations/postgres"),
+            Database::Sqlite(_) => sqlx::migrate!("../../migrations/sqlite"),
+        };
+        migrator.set_ignore_missing(true);
+        let result = match self {
+            Database::Postgres(pool) => migrator.run(pool).await,
             Database::Sqlite(pool) => {
                 let _guard = SQLITE_MIGRATION_LOCK.lock().await;
-                let mut migrator: Migrator = sqlx::migrate!("../../migrations/sqlite");
-                migrator.set_ignore_missing(true);
-                migrator
-                    .run(pool)
-                    .await
-                    .map_err(|source| DatabaseError::Migrate {
-                        backend: Backend::Sqlite,
-                        source,
-                    })
+                migrator.run(pool).await
             }
-        }
+        };
+        result.map_err(|source| DatabaseError::Migrate {
+            backend: self.backend(),
+            source,
+        })
     }
 
     /// Checks that the database answers (`SELECT 1`), for readiness probes.

@@ -29,6 +29,7 @@ enum Kind {
 
 /// Why a test database could not be made.
 #[derive(Debug, thiserror::Error)]
+#[allow(missing_docs)] // the fields are named for what they hold
 pub enum TestDatabaseError {
     /// The server named by `DATABASE_URL` did not let us create a database.
     #[error(
@@ -40,7 +41,6 @@ pub enum TestDatabaseError {
         admin_url: String,
         /// The database we tried to create.
         name: String,
-        /// The cause.
         source: sqlx::Error,
     },
     /// The temporary directory for an SQLite file could not be made.
@@ -84,7 +84,7 @@ impl TestDatabase {
         })
     }
 
-    /// The database's URL.
+    /// The URL, for a service under test to connect to.
     pub fn url(&self) -> &str {
         &self.url
     }
@@ -182,8 +182,8 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn postgres_test_databases_come_and_go() {
+    /// A fresh PostgreSQL test database and its name.
+    async fn named_test_database() -> (TestDatabase, String) {
         let test_db = TestDatabase::postgres()
             .await
             .expect("PostgreSQL must be running (DATABASE_URL)");
@@ -192,17 +192,16 @@ mod tests {
             .rsplit('/')
             .next()
             .map(str::to_owned)
-            .unwrap_or_default();
-        let db = test_db.connect().await.expect("connect");
-        db.migrate().await.expect("migrate");
-        db.migrate().await.expect("migrating twice is harmless");
-        // Cleanup terminates our own open pool, too.
-        test_db.cleanup().await;
+            .expect("the URL names its database");
+        (test_db, name)
+    }
+
+    async fn assert_gone(name: &str) {
         let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_ADMIN_URL.to_owned());
         let mut conn = connect_admin(&admin).await.expect("admin connection");
         let exists: Option<i32> =
             sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = $1")
-                .bind(&name)
+                .bind(name)
                 .fetch_optional(&mut conn)
                 .await
                 .expect("query");
@@ -210,25 +209,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn postgres_test_databases_come_and_go() {
+        let (test_db, name) = named_test_database().await;
+        let db = test_db.connect().await.expect("connect");
+        db.migrate().await.expect("migrate");
+        db.migrate().await.expect("migrating twice is harmless");
+        // Cleanup terminates our own open pool, too.
+        test_db.cleanup().await;
+        assert_gone(&name).await;
+    }
+
+    #[tokio::test]
     async fn dropping_removes_the_database() {
-        let test_db = TestDatabase::postgres()
-            .await
-            .expect("PostgreSQL must be running (DATABASE_URL)");
-        let name = test_db
-            .url()
-            .rsplit('/')
-            .next()
-            .map(str::to_owned)
-            .unwrap_or_default();
+        let (test_db, name) = named_test_database().await;
         drop(test_db);
-        let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_ADMIN_URL.to_owned());
-        let mut conn = connect_admin(&admin).await.expect("admin connection");
-        let exists: Option<i32> =
-            sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = $1")
-                .bind(&name)
-                .fetch_optional(&mut conn)
-                .await
-                .expect("query");
-        assert_eq!(exists, None, "database {name} should be gone");
+        assert_gone(&name).await;
     }
 }

@@ -52,7 +52,6 @@ pub fn constellation_register(id: &str, target: Option<&str>) -> Value {
     }))
 }
 
-/// A heartbeat.
 pub fn heartbeat(id: &str, client_type: &str) -> Value {
     client(
         json!({ "type": "heartbeat", "status": "ok", "client_type": client_type, "client_id": id, "metadata": { "device_id": id } }),

@@ -1,38 +1,39 @@
 //! # aip-testkit: the whole broker in a test
 //!
 //! [`Stack::start`] runs the registry, any number of gateways and the session service on a
-//! real bus and a real database, each test with its own subject prefix and database:
-//! [`Backend::NatsPostgres`] uses the NATS server at `NATS_URL` and a fresh PostgreSQL
-//! database on `DATABASE_URL` (the distributed mode); [`Backend::LocalSqlite`] the in-process
-//! bus and a temporary SQLite file (the embedded mode). Clients talk to it over real
-//! WebSockets and HTTP ([`Client`], [`frames`]).
+//! real bus and a real database, each test with its own subject prefix and database
+//! ([`Infra`]): [`Backend::NatsPostgres`] uses the NATS server at `NATS_URL` and a fresh
+//! PostgreSQL database on `DATABASE_URL` (the distributed mode); [`Backend::LocalSqlite`] the
+//! in-process bus and a temporary SQLite file (the embedded mode). Clients talk to it over
+//! real WebSockets and HTTP ([`Client`], [`frames`]).
+//!
+//! Every service runs as a [`Service`]: one that fails, panics or dies during the test fails
+//! the test when the stack stops (or is dropped). Every wait has a deadline ([`within`],
+//! [`eventually`], [`wait_until`]).
 
+mod client;
 pub mod frames;
+mod service;
+mod wait;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use aip_bus::{LocalBus, NatsBus, SharedBus};
 use aip_store::testing::TestDatabase;
-use anyhow::{Context, anyhow, bail};
-use futures::{SinkExt, StreamExt};
+use anyhow::{Context, anyhow};
 use serde_json::Value;
-use tokio::net::TcpStream;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-/// How long a test waits for something that should happen.
-pub const WAIT: Duration = Duration::from_secs(15);
+pub use client::{Client, Closed, ConnectError, FrameCheck, Refusal};
+pub use service::{STOP_WAIT, Service, Shutdown};
+pub use wait::{WAIT, eventually, eventually_within, wait_until, within};
 
 /// Bus and database of one test run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
-    /// NATS + PostgreSQL.
+    /// NATS + PostgreSQL (the distributed mode).
     NatsPostgres,
-    /// In-process bus + SQLite.
+    /// In-process bus + SQLite (the embedded mode).
     LocalSqlite,
 }
 
@@ -55,26 +56,99 @@ macro_rules! both_backends {
     )*};
 }
 
+pub fn prefix() -> String {
+    format!("t_{}", uuid::Uuid::new_v4().simple())
+}
+
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// A fresh, empty database of `backend`'s kind (not migrated).
+pub async fn test_database(backend: Backend) -> anyhow::Result<TestDatabase> {
+    aip_runtime::install_crypto_provider();
+    match backend {
+        Backend::NatsPostgres => Ok(TestDatabase::postgres().await?),
+        Backend::LocalSqlite => Ok(TestDatabase::sqlite()?),
+    }
+}
+
+/// The bus, the database and the subject prefix of one test: what services are started on.
+pub struct Infra {
+    pub backend: Backend,
+    pub prefix: String,
+    pub bus: SharedBus,
+    /// The NATS connection behind [`Infra::bus`] (NATS backend only), for raw NATS checks.
+    pub nats: Option<NatsBus>,
+    database: TestDatabase,
+}
+
+impl Infra {
+    /// Connects to the bus and makes a fresh database.
+    pub async fn start(backend: Backend) -> anyhow::Result<Infra> {
+        aip_runtime::install_crypto_provider();
+        let (bus, nats): (SharedBus, Option<NatsBus>) = match backend {
+            Backend::NatsPostgres => {
+                let nats = NatsBus::connect(&nats_url(), "aip-testkit")
+                    .await
+                    .context("NATS must be running (NATS_URL)")?;
+                (Arc::new(nats.clone()), Some(nats))
+            }
+            Backend::LocalSqlite => (Arc::new(LocalBus::new()), None),
+        };
+        Ok(Infra {
+            backend,
+            prefix: prefix(),
+            bus,
+            nats,
+            database: test_database(backend).await?,
+        })
+    }
+
+    pub fn database_url(&self) -> &str {
+        self.database.url()
+    }
+
+    /// A new pool on the database (one per service, as separate processes would have).
+    pub async fn connect_db(&self) -> anyhow::Result<aip_store::Database> {
+        Ok(self.database.connect().await?)
+    }
+
+    /// A bus for one more replica of a service: its own NATS connection, as another
+    /// process would have, or the same in-process bus.
+    pub async fn replica_bus(&self) -> anyhow::Result<SharedBus> {
+        match self.backend {
+            Backend::NatsPostgres => Ok(Arc::new(
+                NatsBus::connect(&nats_url(), "aip-testkit-replica").await?,
+            )),
+            Backend::LocalSqlite => Ok(self.bus.clone()),
+        }
+    }
+
+    /// Deletes this test's streams and drops its database.
+    pub async fn cleanup(self) {
+        let subjects = proto_schemas::Subjects::new(&self.prefix).expect("test prefixes are valid");
+        for stream in [subjects.frames_stream(), subjects.blobs_stream()] {
+            if let Err(e) = self.bus.delete_stream(stream).await {
+                tracing::warn!("test stream not deleted: {e}");
+            }
+        }
+        self.database.cleanup().await;
+    }
+}
+
 /// What a test may change.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// How many gateways.
     pub gateways: usize,
-    /// Run the session service.
     pub sessions: bool,
-    /// Registry liveness window.
     pub liveness_ms: u64,
-    /// Gateway presence interval.
     pub presence_interval_ms: u64,
-    /// Gateway client liveness timeout.
     pub client_liveness_ms: u64,
-    /// Session service: tasks per agent.
     pub max_tasks_per_agent: i64,
-    /// Session service: command timeout.
     pub command_timeout_secs: u64,
     /// Gateway credentials file contents (TOML), if any.
     pub credentials: Option<String>,
-    /// Gateway frame limit.
     pub max_frame_bytes: Option<usize>,
 }
 
@@ -94,81 +168,69 @@ impl Default for Options {
     }
 }
 
-/// A running gateway.
 pub struct RunningGateway {
-    /// Where it listens.
     pub addr: SocketAddr,
-    /// Its id.
     pub id: String,
-    stop: Option<oneshot::Sender<()>>,
-    handle: JoinHandle<()>,
+    service: Service,
 }
 
 impl RunningGateway {
+    /// Starts a gateway with `settings` on `bus`.
+    pub async fn start(
+        settings: aip_gateway::Settings,
+        bus: SharedBus,
+    ) -> anyhow::Result<RunningGateway> {
+        let app = aip_gateway::Application::build(settings, bus)
+            .await
+            .context("gateway")?;
+        let addr = app.local_addr();
+        let id = app.gateway_id().to_owned();
+        let service = Service::spawn(format!("gateway {id}"), |stop| app.run_until(stop));
+        Ok(RunningGateway { addr, id, service })
+    }
+
     /// `ws://…/ws`.
     pub fn ws_url(&self) -> String {
         format!("ws://{}/ws", self.addr)
     }
 
-    /// Stops it as SIGTERM would, and waits.
-    pub async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        let _ = tokio::time::timeout(WAIT, self.handle).await;
+    /// Stops it as SIGTERM would, and waits; panics if it failed, panicked or died.
+    pub async fn stop(self) {
+        self.service.stop().await;
     }
 
-    /// Stops it abruptly (the task is aborted: no goodbye to anyone), like `kill -9`.
+    /// Like [`RunningGateway::stop`], but returns the failure instead of panicking.
+    pub async fn try_stop(self) -> anyhow::Result<()> {
+        self.service.try_stop().await
+    }
+
+    /// Stops it abruptly (the task is aborted: no goodbye to anyone), like `kill -9`;
+    /// panics if it had already died.
     pub fn kill(self) {
-        self.handle.abort();
+        self.service.kill();
     }
 }
 
 /// The broker, started for one test.
 pub struct Stack {
-    /// Subject prefix of this test.
     pub prefix: String,
-    /// The bus.
     pub bus: SharedBus,
-    /// The database URL.
     pub database_url: String,
-    /// The registry's REST address.
     pub registry_http: SocketAddr,
-    /// The gateways.
     pub gateways: Vec<RunningGateway>,
-    /// The session service's REST address.
     pub sessions_http: Option<SocketAddr>,
     options: Options,
     credentials_file: Option<std::path::PathBuf>,
-    database: Option<TestDatabase>,
-    services: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
-}
-
-/// A fresh random subject prefix.
-pub fn prefix() -> String {
-    format!("t_{}", uuid::Uuid::new_v4().simple())
-}
-
-/// The NATS URL tests use.
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+    /// `None` once stopped.
+    infra: Option<Infra>,
+    /// Registry and sessions, in start order.
+    services: Vec<Service>,
 }
 
 impl Stack {
     /// Starts registry, gateways and (unless told otherwise) the session service.
     pub async fn start(backend: Backend, options: Options) -> anyhow::Result<Stack> {
-        aip_runtime::install_crypto_provider();
-        let prefix = prefix();
-        let (bus, database): (SharedBus, TestDatabase) = match backend {
-            Backend::NatsPostgres => (
-                Arc::new(NatsBus::connect(&nats_url(), "aip-testkit").await?),
-                TestDatabase::postgres().await.map_err(|e| anyhow!("{e}"))?,
-            ),
-            Backend::LocalSqlite => (
-                Arc::new(LocalBus::new()),
-                TestDatabase::sqlite().map_err(|e| anyhow!("{e}"))?,
-            ),
-        };
+        let infra = Infra::start(backend).await?;
         let credentials_file = match &options.credentials {
             Some(text) => {
                 let path = std::env::temp_dir().join(format!(
@@ -180,16 +242,18 @@ impl Stack {
             }
             None => None,
         };
+        let prefix = infra.prefix.clone();
+        let bus = infra.bus.clone();
         let mut stack = Stack {
             prefix: prefix.clone(),
             bus: bus.clone(),
-            database_url: database.url().to_owned(),
+            database_url: infra.database_url().to_owned(),
             registry_http: SocketAddr::from(([127, 0, 0, 1], 0)),
             gateways: Vec::new(),
             sessions_http: None,
             options: options.clone(),
             credentials_file,
-            database: Some(database),
+            infra: Some(infra),
             services: Vec::new(),
         };
 
@@ -208,11 +272,9 @@ impl Stack {
             .await
             .context("registry")?;
         stack.registry_http = app.http_addr();
-        stack.spawn(|stop| async move {
-            if let Err(e) = app.run_until_stopped(stop).await {
-                tracing::error!("registry: {e}");
-            }
-        });
+        stack.services.push(Service::spawn("registry", |stop| {
+            app.run_until_stopped(stop)
+        }));
 
         if options.sessions {
             let mut settings = aip_sessions::Settings {
@@ -227,11 +289,9 @@ impl Stack {
                 .await
                 .context("sessions")?;
             stack.sessions_http = Some(app.local_addr());
-            stack.spawn(|stop| async move {
-                if let Err(e) = app.run_until(stop).await {
-                    tracing::error!("sessions: {e}");
-                }
-            });
+            stack
+                .services
+                .push(Service::spawn("sessions", |stop| app.run_until(stop)));
         }
         for _ in 0..options.gateways {
             stack.add_gateway().await?;
@@ -239,21 +299,14 @@ impl Stack {
         Ok(stack)
     }
 
-    async fn connect_db(&self) -> anyhow::Result<aip_store::Database> {
-        Ok(aip_store::Database::connect(&self.database_url).await?)
+    /// This test's bus and database.
+    pub fn infra(&self) -> &Infra {
+        self.infra.as_ref().expect("the stack is running")
     }
 
-    fn spawn<F, Fut>(&mut self, run: F)
-    where
-        F: FnOnce(futures::future::BoxFuture<'static, ()>) -> Fut,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        let (tx, rx) = oneshot::channel::<()>();
-        let stop: futures::future::BoxFuture<'static, ()> = Box::pin(async move {
-            let _ = rx.await;
-        });
-        let handle = tokio::spawn(run(stop));
-        self.services.push((tx, handle));
+    /// A new pool on the test's database.
+    pub async fn connect_db(&self) -> anyhow::Result<aip_store::Database> {
+        self.infra().connect_db().await
     }
 
     /// The gateway settings this stack uses (for starting gateway processes).
@@ -274,29 +327,22 @@ impl Stack {
         settings
     }
 
-    /// Starts one more gateway.
+    /// Starts one more gateway, stopped with the stack.
     pub async fn add_gateway(&mut self) -> anyhow::Result<&RunningGateway> {
-        let app = aip_gateway::Application::build(self.gateway_settings(), self.bus.clone())
-            .await
-            .context("gateway")?;
-        let addr = app.local_addr();
-        let id = app.gateway_id().to_owned();
-        let (tx, rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(async move {
-            let stop = async move {
-                let _ = rx.await;
-            };
-            if let Err(e) = app.run_until(stop).await {
-                tracing::error!("gateway: {e}");
-            }
-        });
-        self.gateways.push(RunningGateway {
-            addr,
-            id,
-            stop: Some(tx),
-            handle,
-        });
+        let gateway = self.start_gateway(|_| {}).await?;
+        self.gateways.push(gateway);
         Ok(self.gateways.last().expect("just pushed"))
+    }
+
+    /// Starts a gateway of this stack with changed settings (for knobs [`Options`] lacks);
+    /// the test owns it and stops it.
+    pub async fn start_gateway(
+        &self,
+        change: impl FnOnce(&mut aip_gateway::Settings),
+    ) -> anyhow::Result<RunningGateway> {
+        let mut settings = self.gateway_settings();
+        change(&mut settings);
+        RunningGateway::start(settings, self.bus.clone()).await
     }
 
     /// `ws://…/ws` of gateway `i`.
@@ -318,26 +364,40 @@ impl Stack {
         format!("http://{}", self.registry_http)
     }
 
-    /// Stops everything and drops the database.
-    pub async fn stop(mut self) {
+    /// Stops everything and drops the database; panics if a service failed, panicked or
+    /// died during the test.
+    pub async fn stop(self) {
+        if let Err(e) = self.try_stop().await {
+            panic!("{e:#}");
+        }
+    }
+
+    /// Like [`Stack::stop`], but returns the failures instead of panicking.
+    pub async fn try_stop(mut self) -> anyhow::Result<()> {
+        let mut failures = Vec::new();
         for gateway in self.gateways.drain(..) {
-            gateway.stop().await;
+            if let Err(e) = gateway.try_stop().await {
+                failures.push(format!("{e:#}"));
+            }
         }
-        for (stop, handle) in self.services.drain(..).rev() {
-            let _ = stop.send(());
-            let _ = tokio::time::timeout(WAIT, handle).await;
-        }
-        let subjects = proto_schemas::Subjects::new(&self.prefix).expect("test prefixes are valid");
-        for stream in [subjects.frames_stream(), subjects.blobs_stream()] {
-            if let Err(e) = self.bus.delete_stream(stream).await {
-                tracing::warn!("test stream not deleted: {e}");
+        for service in self.services.drain(..).rev() {
+            if let Err(e) = service.try_stop().await {
+                failures.push(format!("{e:#}"));
             }
         }
         if let Some(path) = self.credentials_file.take() {
             let _ = std::fs::remove_file(path);
         }
-        if let Some(db) = self.database.take() {
-            db.cleanup().await;
+        if let Some(infra) = self.infra.take() {
+            infra.cleanup().await;
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(anyhow!(
+                "services failed during the test:\n  {}",
+                failures.join("\n  ")
+            ))
         }
     }
 }
@@ -380,158 +440,68 @@ impl Stack {
     }
 }
 
-/// Waits until `check` returns `Some`, polling, at most `WAIT`.
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check().await {
-            return Ok(v);
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn without_sessions() -> Options {
+        Options {
+            sessions: false,
+            ..Options::default()
         }
-        if tokio::time::Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// An AIP client over a real WebSocket.
-pub struct Client {
-    ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
-}
-
-/// How a connection ended, as the client saw it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Closed {
-    /// The close code, if the server sent one.
-    pub code: Option<u16>,
-    /// The close reason.
-    pub reason: String,
-}
-
-impl Client {
-    /// Connects; fails with the HTTP status if the handshake is refused.
-    pub async fn connect(url: &str) -> anyhow::Result<Client> {
-        let (ws, _) = tokio_tungstenite::connect_async(url).await?;
-        Ok(Client { ws })
     }
 
-    /// Connects, sends `register` and expects the registration heartbeat.
-    pub async fn registered(url: &str, register: Value) -> Client {
-        let mut client = Client::connect(url)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_healthy_stack_stops_cleanly() {
+        let stack = Stack::start(Backend::LocalSqlite, Options::default())
             .await
-            .unwrap_or_else(|e| panic!("connect {url}: {e}"));
-        client
-            .send(&register)
+            .expect("stack");
+        stack.try_stop().await.expect("nothing failed");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stop_reports_a_service_that_failed_and_still_cleans_up() {
+        let mut stack = Stack::start(Backend::LocalSqlite, without_sessions())
             .await
-            .unwrap_or_else(|e| panic!("send register: {e}"));
-        let reply = client
-            .recv()
+            .expect("stack");
+        stack
+            .services
+            .push(Service::spawn("flaky", |stop| async move {
+                stop.await;
+                Err(std::io::Error::other("lost its database"))
+            }));
+        let database = stack.database_url.clone();
+        let error = stack.try_stop().await.expect_err("the failure is reported");
+        let text = format!("{error:#}");
+        assert!(text.contains("flaky failed"), "{text}");
+        assert!(text.contains("lost its database"), "{text}");
+        let file = database.trim_start_matches("sqlite://");
+        assert!(
+            !std::path::Path::new(file).exists(),
+            "the database is removed all the same"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stop_reports_a_service_that_died_during_the_test() {
+        let mut stack = Stack::start(Backend::LocalSqlite, without_sessions())
             .await
-            .unwrap_or_else(|e| panic!("registration answer: {e}"));
-        assert_eq!(reply["type"], "heartbeat", "registration refused: {reply}");
-        client
-    }
-
-    /// Connects and expects the handshake to be refused; returns the HTTP status.
-    pub async fn refused(url: &str) -> anyhow::Result<u16> {
-        match tokio_tungstenite::connect_async(url).await {
-            Ok(_) => bail!("the handshake was accepted"),
-            Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
-                Ok(response.status().as_u16())
+            .expect("stack");
+        // A run loop that returns without being stopped, as one whose listener broke would.
+        let dead = Service::spawn("short-lived", |_stop| async {
+            Ok::<(), std::io::Error>(())
+        });
+        within(WAIT, "the service to die", async {
+            while !dead.is_finished() {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
-            Err(e) => bail!("unexpected error: {e}"),
-        }
-    }
-
-    /// Sends a JSON frame.
-    pub async fn send(&mut self, frame: &Value) -> anyhow::Result<()> {
-        self.send_text(&frame.to_string()).await
-    }
-
-    /// Sends raw text.
-    pub async fn send_text(&mut self, text: &str) -> anyhow::Result<()> {
-        self.ws.send(Message::Text(text.into())).await?;
-        Ok(())
-    }
-
-    /// Sends a binary frame.
-    pub async fn send_binary(&mut self, bytes: Vec<u8>) -> anyhow::Result<()> {
-        self.ws.send(Message::Binary(bytes.into())).await?;
-        Ok(())
-    }
-
-    /// The next JSON frame (pings and pongs skipped), within `WAIT`.
-    pub async fn recv(&mut self) -> anyhow::Result<Value> {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let next = tokio::time::timeout_at(deadline, self.ws.next())
-                .await
-                .map_err(|_| anyhow!("no frame within {WAIT:?}"))?;
-            match next {
-                None => bail!("connection closed"),
-                Some(Err(e)) => bail!("connection failed: {e}"),
-                Some(Ok(Message::Text(text))) => return Ok(serde_json::from_str(text.as_str())?),
-                Some(Ok(Message::Close(frame))) => {
-                    bail!(
-                        "connection closed: {:?}",
-                        frame.map(|f| (u16::from(f.code), f.reason.to_string()))
-                    )
-                }
-                Some(Ok(_)) => {}
-            }
-        }
-    }
-
-    /// The next frame of a given `type` (others skipped).
-    pub async fn recv_type(&mut self, kind: &str) -> anyhow::Result<Value> {
-        loop {
-            let frame = self.recv().await?;
-            if frame["type"] == kind {
-                return Ok(frame);
-            }
-        }
-    }
-
-    /// Nothing arrives within `quiet`.
-    pub async fn expect_silence(&mut self, quiet: Duration) -> anyhow::Result<()> {
-        match tokio::time::timeout(quiet, self.ws.next()).await {
-            Err(_) => Ok(()),
-            Ok(Some(Ok(Message::Ping(_) | Message::Pong(_)))) => Ok(()),
-            Ok(other) => bail!("expected nothing, got {other:?}"),
-        }
-    }
-
-    /// Reads until the server closes; returns the close frame.
-    pub async fn closed(&mut self) -> anyhow::Result<Closed> {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let next = tokio::time::timeout_at(deadline, self.ws.next())
-                .await
-                .map_err(|_| anyhow!("not closed within {WAIT:?}"))?;
-            match next {
-                None | Some(Err(_)) => {
-                    return Ok(Closed {
-                        code: None,
-                        reason: String::new(),
-                    });
-                }
-                Some(Ok(Message::Close(frame))) => {
-                    return Ok(Closed {
-                        code: frame.as_ref().map(|f| u16::from(f.code)),
-                        reason: frame.map(|f| f.reason.to_string()).unwrap_or_default(),
-                    });
-                }
-                Some(Ok(_)) => {}
-            }
-        }
-    }
-
-    /// Closes the connection.
-    pub async fn close(mut self) {
-        let _ = self.ws.close(None).await;
+        })
+        .await;
+        stack.services.push(dead);
+        let error = stack.try_stop().await.expect_err("the death is reported");
+        assert!(
+            format!("{error:#}").contains("short-lived ended by itself during the test"),
+            "{error:#}"
+        );
     }
 }

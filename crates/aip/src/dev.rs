@@ -15,8 +15,9 @@
 //! | `/openapi.json` | `aip dev` itself: both services' documents in one ([`openapi`]) |
 //! | everything else (`/api/tasks…`, `/api/dispatch`, `/api/task_result/…`) | session service |
 //!
-//! Each service also binds its own loopback listener on a free port (their `build` binds);
-//! nothing needs it, the address clients use is the one printed.
+//! The services are built embedded (`build_embedded`): none binds a listener of its own; the
+//! address clients use is the one printed. Each is told that address, so its own rule about
+//! an open listener on the network holds too.
 //!
 //! Shutdown (Ctrl-C, SIGTERM) stops taking connections, then stops the gateway first (sockets
 //! closed with 1001, agents marked offline), then the session service, then the registry, so
@@ -29,14 +30,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::{LocalBus, NatsBus, SharedBus};
+use aip_runtime::health::Probes;
+use aip_runtime::service::Exposure;
 use aip_store::Database;
 use anyhow::{Context, bail};
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use serde_json::json;
+use axum::response::Response;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt as _;
@@ -75,7 +75,7 @@ const STOP_WAIT: Duration = Duration::from_secs(15);
 /// What `aip dev` tells its user at start.
 #[derive(Debug, Clone)]
 pub struct DevInfo {
-    /// The one address.
+    /// The one address every route is served on.
     pub addr: SocketAddr,
     /// `ws://…/ws`.
     pub ws_url: String,
@@ -102,46 +102,6 @@ pub struct DevServer {
     info: DevInfo,
 }
 
-/// What `/readyz` checks.
-#[derive(Clone)]
-struct Health {
-    bus: SharedBus,
-    db: Database,
-    stopping: CancellationToken,
-}
-
-/// `GET /healthz`: the process is up.
-async fn healthz() -> axum::Json<serde_json::Value> {
-    axum::Json(json!({ "status": "ok" }))
-}
-
-/// `GET /readyz`: the bus and the database answer (what the three services' own probes check).
-async fn readyz(State(health): State<Health>) -> Response {
-    const LIMIT: Duration = Duration::from_secs(2);
-    if health.stopping.is_cancelled() {
-        return unavailable("shutting down".to_owned());
-    }
-    match tokio::time::timeout(LIMIT, health.bus.flush()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return unavailable(format!("bus unavailable: {e}")),
-        Err(_) => return unavailable(format!("the bus did not answer within {LIMIT:?}")),
-    }
-    match tokio::time::timeout(LIMIT, health.db.ping()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return unavailable(format!("database unavailable: {e}")),
-        Err(_) => return unavailable(format!("the database did not answer within {LIMIT:?}")),
-    }
-    axum::Json(json!({ "status": "ready", "bus": "ok", "database": "ok" })).into_response()
-}
-
-fn unavailable(detail: String) -> Response {
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        axum::Json(json!({ "status": "unavailable", "detail": detail })),
-    )
-        .into_response()
-}
-
 /// One OpenAPI document with every route `aip dev` serves: the session service's and the
 /// registry's generated documents merged (their schemas share names only where they are the
 /// same proto-schemas type; the probes are in both).
@@ -158,14 +118,14 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     document
 }
 
-/// The three services' routers.
+/// The three services' routers, each keeping its own authentication.
 #[derive(Clone)]
 pub struct Services {
-    /// The gateway's.
+    /// `/ws`.
     pub gateway: Router,
-    /// The registry's.
+    /// `/api/agents…`, `/api/clients`, `/api/health`.
     pub registry: Router,
-    /// The session service's.
+    /// Everything else.
     pub sessions: Router,
 }
 
@@ -182,8 +142,8 @@ async fn dispatch(State(services): State<Services>, request: Request) -> Respons
     }
 }
 
-/// The one router: the probes answered here (`health`), every other request handed to its
-/// [`owner`]. Each service's router keeps its own authentication (API keys on `/api/*`, tokens
+/// The one router: the probes answered here (`health`: the bus, the database, and not
+/// shutting down), every other request handed to its [`owner`]. Each service's router keeps its own authentication (API keys on `/api/*`, tokens
 /// on `/ws`). A path-level hand-over rather than `Router::merge`: the services' routers
 /// overlap (each has `/healthz`, `/readyz`), and nesting one router's parameters inside
 /// another's would confuse their `Path` extractors.
@@ -205,8 +165,12 @@ fn sqlite_url(data_dir: &Path) -> String {
 impl DevServer {
     /// Binds the listener, opens the bus and the database, and builds the three services.
     pub async fn build(args: &DevArgs) -> anyhow::Result<Self> {
-        let secured = !args.api_keys.is_empty() && args.credentials_file.is_some();
-        if !args.listen.ip().is_loopback() && !secured && !args.allow_no_auth {
+        let exposure = Exposure {
+            listen: args.listen,
+            secured: !args.api_keys.is_empty() && args.credentials_file.is_some(),
+            allow_no_auth: args.allow_no_auth,
+        };
+        if exposure.refused() {
             bail!(UsageError(format!(
                 "refusing to serve on {} without API keys and gateway credentials: give \
                  --api-key and --credentials-file, listen on a loopback address, or pass \
@@ -254,49 +218,48 @@ impl DevServer {
         let db = Database::connect(&database_url).await?;
         db.migrate().await?;
 
-        let internal = SocketAddr::from(([127, 0, 0, 1], 0));
         let config = args.config.as_deref();
 
         let mut registry: aip_registry::Settings = aip_runtime::settings::load(config)?;
         registry.subject_prefix = args.subject_prefix.clone();
-        registry.registry.listen = internal;
+        registry.registry.listen = addr;
         registry.registry.api_keys = args.api_keys.clone();
-        let registry = aip_registry::Application::build(registry, bus.clone(), db.clone())
+        registry.registry.allow_no_auth = args.allow_no_auth;
+        let registry = aip_registry::Application::build_embedded(registry, bus.clone(), db.clone())
             .await
             .context("the registry did not start")?;
 
         let mut sessions: aip_sessions::Settings = aip_runtime::settings::load(config)?;
         sessions.subject_prefix = args.subject_prefix.clone();
-        sessions.sessions.listen = internal;
+        sessions.sessions.listen = addr;
         sessions.sessions.api_keys = args.api_keys.clone();
-        let sessions = aip_sessions::Application::build(sessions, bus.clone(), db.clone())
+        sessions.sessions.allow_no_auth = args.allow_no_auth;
+        let sessions = aip_sessions::Application::build_embedded(sessions, bus.clone(), db.clone())
             .await
             .context("the session service did not start")?;
 
         let mut gateway: aip_gateway::Settings = aip_runtime::settings::load(config)?;
         gateway.subject_prefix = args.subject_prefix.clone();
-        gateway.gateway.listen = internal;
+        gateway.gateway.listen = addr;
+        gateway.gateway.allow_no_auth = args.allow_no_auth;
         if args.credentials_file.is_some() {
             gateway.gateway.credentials_file = args.credentials_file.clone();
         }
-        let gateway = aip_gateway::Application::build(gateway, bus.clone())
+        let gateway = aip_gateway::Application::build_embedded(gateway, bus.clone())
             .await
             .context("the gateway did not start")?;
 
         let stopping = CancellationToken::new();
         let document = openapi();
-        let health = Router::new()
-            .route("/healthz", get(healthz))
-            .route("/readyz", get(readyz))
+        let health = Probes::new()
+            .bus(bus.clone())
+            .database(db.clone())
+            .stopping(stopping.clone())
+            .routes()
             .route(
                 "/openapi.json",
-                get(move || async move { axum::Json(document) }),
-            )
-            .with_state(Health {
-                bus: bus.clone(),
-                db: db.clone(),
-                stopping: stopping.clone(),
-            });
+                axum::routing::get(move || async move { axum::Json(document) }),
+            );
         let router = router(
             Services {
                 gateway: gateway.router(),
@@ -490,6 +453,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn the_banner_says_where_and_what_next() {
@@ -620,9 +584,12 @@ mod tests {
         );
         let (status, ready) = get("/readyz", None).await;
         assert_eq!(
-            (status, &ready["status"]),
-            (200, &json!("ready")),
-            "{ready}"
+            (status, ready),
+            (
+                200,
+                json!({ "status": "ready", "checks": {
+                    "accepting": { "ok": true }, "bus": { "ok": true }, "database": { "ok": true } } })
+            ),
         );
         let (status, clients) = get("/api/clients", Some("k")).await;
         assert_eq!(status, 200);

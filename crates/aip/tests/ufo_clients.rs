@@ -4,26 +4,12 @@
 
 mod common;
 
-use aip_testkit::Client;
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register,
 };
+use aip_testkit::{Client, get_json};
 use common::{TempDir, start_dev};
 use serde_json::{Value, json};
-
-async fn get_json(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url).await.expect("request");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn registered(url: &str, frame: Value) -> Client {
-    let mut client = Client::connect(url).await.expect("connect");
-    client.send(&frame).await.expect("send");
-    let reply = client.recv().await.expect("registration answer");
-    assert_eq!(reply["type"], "heartbeat", "registration refused: {reply}");
-    client
-}
 
 #[test]
 fn ufo_device_and_constellation_through_aip_dev() {
@@ -36,7 +22,7 @@ fn ufo_device_and_constellation_through_aip_dev() {
         .build()
         .expect("runtime");
     runtime.block_on(async {
-        let mut device = registered(&ws, device_register("pc-1", "windows")).await;
+        let mut device = Client::registered(&ws, device_register("pc-1", "windows")).await;
         aip_testkit::eventually("pc-1 online", || async {
             let (_, body) = get_json(&format!("{rest}/api/clients")).await;
             body["online_clients"]
@@ -47,7 +33,7 @@ fn ufo_device_and_constellation_through_aip_dev() {
         })
         .await
         .expect("the registry sees the device");
-        let mut galaxy = registered(&ws, constellation_register("demo@pc-1", Some("pc-1"))).await;
+        let mut galaxy = Client::registered(&ws, constellation_register("demo@pc-1", Some("pc-1"))).await;
 
         let session = "demo@task-1";
         let steps = json!([

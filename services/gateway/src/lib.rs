@@ -10,8 +10,12 @@
 //! every socket with 1001 so clients reconnect elsewhere.
 
 pub mod auth;
+mod client;
 pub mod connection;
 pub mod devices;
+mod events;
+mod handlers;
+mod identity;
 pub mod presence;
 pub mod rate;
 pub mod replies;
@@ -23,30 +27,37 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::SharedBus;
+use aip_runtime::health::Probes;
+use aip_runtime::listener::{Listening, ServiceListener};
+use aip_runtime::runner::{self, Shutdown};
+use aip_runtime::service::{ServiceName, ServiceSettings};
+use aip_store::Database;
 use axum::Router;
 use axum::extract::{Query, State, WebSocketUpgrade};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use proto_schemas::{ErrorBody, ErrorCode, Subjects};
-use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use aip_runtime::StartError;
 pub use auth::{Credentials, Principal};
 pub use settings::{GatewaySettings, Settings};
 
 /// Shared by every connection.
 pub struct AppState {
-    /// Configuration.
+    /// As loaded: connections read their limits and timeouts here.
     pub settings: Settings,
-    /// This gateway's id.
+    /// Names this gateway in presence batches and in the registry's records.
     pub gateway_id: String,
-    /// The bus.
+    /// Where frames to and from the other services travel.
     pub bus: SharedBus,
     /// Subjects under the configured prefix.
     pub subjects: Subjects,
+    /// Register, unregister and device information on other gateways.
+    pub registry: aip_bus::registry::RegistryClient,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
     /// Who may connect.
@@ -61,75 +72,55 @@ pub struct AppState {
     tracker: TaskTracker,
 }
 
-/// Why the gateway could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    /// Bad configuration.
-    #[error("{0}")]
-    Config(String),
-    /// The listener could not bind.
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// The cause.
-        source: std::io::Error,
-    },
-}
-
 /// A gateway, bound and ready to serve.
 pub struct Application {
-    listener: TcpListener,
+    listener: ServiceListener,
     state: Arc<AppState>,
 }
 
 impl Application {
     /// Validates settings, loads credentials and binds the listener.
     pub async fn build(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
-        let subjects = Subjects::new(&settings.subject_prefix)
-            .map_err(|e| StartError::Config(e.to_string()))?;
+        Self::assemble(settings, bus, Listening::Own).await
+    }
+
+    /// As [`Application::build`], without a listener of its own: the caller serves
+    /// [`Application::router`] (`aip dev` on its one address).
+    pub async fn build_embedded(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
+        Self::assemble(settings, bus, Listening::Embedded).await
+    }
+
+    async fn assemble(
+        settings: Settings,
+        bus: SharedBus,
+        listening: Listening,
+    ) -> Result<Self, StartError> {
+        let subjects = settings.validate()?;
         let credentials = match &settings.gateway.credentials_file {
-            Some(path) => Credentials::load(path).map_err(|e| StartError::Config(e.to_string()))?,
+            Some(path) => Credentials::load(path)
+                .map_err(|e| StartError::invalid(ServiceName::Gateway, e.to_string()))?,
             None => Credentials::disabled(),
         };
-        let listen = settings.gateway.listen;
-        if !credentials.enabled() && !listen.ip().is_loopback() && !settings.gateway.allow_no_auth {
-            return Err(StartError::Config(format!(
-                "refusing to listen on {listen} without credentials: set gateway.credentials_file, \
-                 or gateway.allow_no_auth = true (AIP_GATEWAY__ALLOW_NO_AUTH=true) for a trusted network"
-            )));
-        }
-        let g = &settings.gateway;
-        if g.outbound_queue == 0
-            || g.max_connections == 0
-            || g.ping_interval_ms == 0
-            || g.liveness_timeout_ms == 0
-            || g.presence_interval_ms == 0
-        {
-            return Err(StartError::Config(
-                "gateway.outbound_queue, max_connections, ping_interval_ms, liveness_timeout_ms \
-                 and presence_interval_ms must be at least 1"
-                    .into(),
-            ));
-        }
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
         if let Err(e) = bus.ensure_stream(blobs.stream_spec()).await {
             tracing::warn!(
                 "cannot create the blob stream (frames over the bus limit will fail): {e}"
             );
         }
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: listen,
-                source,
-            })?;
+        let listener =
+            ServiceListener::open(ServiceName::Gateway, settings.gateway.listen, listening).await?;
         let gateway_id = settings
             .gateway
             .gateway_id
             .clone()
             .unwrap_or_else(default_gateway_id);
+        let registry = aip_bus::registry::RegistryClient::new(
+            bus.clone(),
+            subjects.clone(),
+            std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
+        );
         let state = Arc::new(AppState {
+            registry,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
             settings,
             gateway_id,
@@ -145,14 +136,12 @@ impl Application {
         Ok(Application { listener, state })
     }
 
-    /// The bound address (useful with port 0).
+    /// The bound address (useful with port 0); embedded, the configured address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .unwrap_or_else(|_| self.state.settings.gateway.listen)
+        self.listener.local_addr()
     }
 
-    /// This gateway's id.
+    /// This gateway's id (configured, or the host name and a random suffix).
     pub fn gateway_id(&self) -> &str {
         &self.state.gateway_id
     }
@@ -183,12 +172,7 @@ impl Application {
             shutdown.await;
             token.cancel();
         };
-        let served = axum::serve(
-            aip_runtime::nodelay(self.listener),
-            router(state.clone()).into_make_service(),
-        )
-        .with_graceful_shutdown(stop)
-        .await;
+        let served = self.listener.serve(router(state.clone()), stop).await;
         state.shutdown.cancel();
         state.tracker.close();
         let grace = Duration::from_millis(state.settings.gateway.shutdown_grace_ms);
@@ -217,26 +201,32 @@ fn default_gateway_id() -> String {
     format!("{host}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
 }
 
-fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/ws", get(websocket))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(ready))
-        .with_state(state)
+impl runner::Service for Application {
+    type Settings = Settings;
+    type RunError = std::io::Error;
+
+    async fn start(
+        settings: Settings,
+        bus: SharedBus,
+        _database: Option<Database>,
+    ) -> Result<Self, StartError> {
+        Application::build(settings, bus).await
+    }
+
+    async fn run_until(self, shutdown: Shutdown) -> std::io::Result<()> {
+        Application::run_until(self, shutdown).await
+    }
 }
 
-async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    if state.shutdown.is_cancelled() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
-    }
-    match state.bus.flush().await {
-        Ok(()) => "ready".into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("bus unavailable: {e}"),
-        )
-            .into_response(),
-    }
+/// `/ws`, and the probes: ready while the bus answers and the gateway is not shutting down.
+fn router(state: Arc<AppState>) -> Router {
+    let probes = Probes::new()
+        .bus(state.bus.clone())
+        .stopping(state.shutdown.clone());
+    Router::new()
+        .route("/ws", get(websocket))
+        .with_state(state)
+        .merge(probes.routes())
 }
 
 fn refuse(status: StatusCode, code: ErrorCode, detail: impl Into<String>) -> Response {

@@ -24,11 +24,18 @@ struct DeviceInfoFrame<'a> {
 
 /// The `device_info_response` carrying `system_info` (already serialised), answering the
 /// request `request_id`; as `proto_schemas::server::device_info`.
-pub fn device_info(request_id: Option<&str>, system_info: &RawValue) -> String {
+pub fn device_info(
+    request_id: Option<&str>,
+    system_info: &RawValue,
+) -> Result<String, serde_json::Error> {
     device_info_at(&timestamp_now(), request_id, system_info)
 }
 
-fn device_info_at(timestamp: &str, request_id: Option<&str>, system_info: &RawValue) -> String {
+fn device_info_at(
+    timestamp: &str,
+    request_id: Option<&str>,
+    system_info: &RawValue,
+) -> Result<String, serde_json::Error> {
     let frame = DeviceInfoFrame {
         kind: ServerMessageType::DeviceInfoResponse,
         status: TaskStatus::Ok,
@@ -36,8 +43,7 @@ fn device_info_at(timestamp: &str, request_id: Option<&str>, system_info: &RawVa
         response_id: request_id,
         result: system_info,
     };
-    // Strings, enums and valid raw JSON cannot fail to serialise.
-    serde_json::to_string(&frame).unwrap_or_default()
+    serde_json::to_string(&frame)
 }
 
 #[cfg(test)]
@@ -52,7 +58,7 @@ mod tests {
         let raw = serde_json::value::to_raw_value(&info).expect("JSON");
         for request_id in [Some("device_info_pc-1_1782464400"), None] {
             let mut expected = server::device_info(request_id, info.clone());
-            let ours = device_info(request_id, &raw);
+            let ours = device_info(request_id, &raw).expect("serialisable");
             let parsed: proto_schemas::ServerMessage =
                 serde_json::from_str(&ours).expect("a server frame");
             expected.timestamp = parsed.timestamp.clone();

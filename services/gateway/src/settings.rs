@@ -3,11 +3,17 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use aip_runtime::service::{
+    Common, DEFAULT_NATS_URL, Exposure, Guard, ServiceName, ServiceSettings, StartError,
+    require_positive,
+};
 use aip_runtime::telemetry::LogFormat;
 use serde::{Deserialize, Serialize};
 
-/// Everything the gateway can be told. Load with [`aip_runtime::settings::load`]; environment
-/// variables are `AIP_GATEWAY__<FIELD>` for fields of `gateway` and `AIP_<FIELD>` at the top.
+/// Everything the gateway can be told: the settings every service shares (see
+/// [`aip_runtime::service`]) at the top, its own in `[gateway]`. Load with
+/// [`aip_runtime::settings::load`]; environment variables are `AIP_GATEWAY__<FIELD>` for fields
+/// of `gateway` and `AIP_<FIELD>` at the top.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Settings {
@@ -15,9 +21,9 @@ pub struct Settings {
     pub nats_url: String,
     /// Subject prefix shared by every service of one deployment.
     pub subject_prefix: String,
-    /// Log format.
+    /// `pretty` for a terminal, `json` for a log collector.
     pub log_format: LogFormat,
-    /// The gateway's own settings.
+    /// The `[gateway]` section (`AIP_GATEWAY__…`).
     pub gateway: GatewaySettings,
 }
 
@@ -60,7 +66,7 @@ pub struct GatewaySettings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            nats_url: "nats://127.0.0.1:4222".to_owned(),
+            nats_url: DEFAULT_NATS_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
             gateway: GatewaySettings::default(),
@@ -86,5 +92,41 @@ impl Default for GatewaySettings {
             request_timeout_ms: 5_000,
             shutdown_grace_ms: 10_000,
         }
+    }
+}
+
+impl ServiceSettings for Settings {
+    const SERVICE: ServiceName = ServiceName::Gateway;
+    const GUARD: Guard = Guard::Credentials;
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            nats_url: &self.nats_url,
+            database_url: None,
+            subject_prefix: &self.subject_prefix,
+            log_format: self.log_format,
+        }
+    }
+
+    fn exposure(&self) -> Exposure {
+        Exposure {
+            listen: self.gateway.listen,
+            secured: self.gateway.credentials_file.is_some(),
+            allow_no_auth: self.gateway.allow_no_auth,
+        }
+    }
+
+    fn check_own(&self) -> Result<(), StartError> {
+        let g = &self.gateway;
+        require_positive(
+            ServiceName::Gateway,
+            &[
+                ("outbound_queue", g.outbound_queue as u64),
+                ("max_connections", g.max_connections as u64),
+                ("ping_interval_ms", g.ping_interval_ms),
+                ("liveness_timeout_ms", g.liveness_timeout_ms),
+                ("presence_interval_ms", g.presence_interval_ms),
+            ],
+        )
     }
 }

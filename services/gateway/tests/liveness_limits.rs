@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use aip_bus::Headers;
 use aip_testkit::frames::{self, device_register};
-use aip_testkit::{Backend, Options, Stack, WAIT, both_backends, eventually};
+use aip_testkit::{Backend, Options, Stack, both_backends, eventually};
 use common::{Ws, agent_status, custom_gateway, registered, until_offline, until_online};
 use proto_schemas::Subjects;
 use serde_json::json;
@@ -82,7 +82,8 @@ async fn frames_over_the_rate_are_refused_then_the_client_is_closed(backend: Bac
     )
     .await
     .expect("stack");
-    let (url, stop, handle) = custom_gateway(&stack, |s| s.gateway.frames_per_second = 5).await;
+    let gateway = custom_gateway(&stack, |s| s.gateway.frames_per_second = 5).await;
+    let url = gateway.ws_url();
     let mut good = registered(&url, &device_register("good", "windows")).await;
     let mut flood = registered(&url, &device_register("flood", "windows")).await;
     until_online(&stack, "flood").await;
@@ -125,8 +126,7 @@ async fn frames_over_the_rate_are_refused_then_the_client_is_closed(backend: Bac
     }
     let mut again = registered(&url, &device_register("flood", "windows")).await;
     again.heartbeat("flood", "device").await;
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(WAIT, handle).await;
+    gateway.stop().await;
     stack.stop().await;
 }
 both_backends!(frames_over_the_rate_are_refused_then_the_client_is_closed);
@@ -141,13 +141,14 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
     )
     .await
     .expect("stack");
-    let (url, stop, handle) = custom_gateway(&stack, |s| {
+    let gateway = custom_gateway(&stack, |s| {
         // Room for 16 MiB of frames: the socket's buffers fill (the writer is stuck) long
         // before the queue does and the gateway gives up on the client.
         s.gateway.outbound_queue = 64;
         s.gateway.max_connections = 2;
     })
     .await;
+    let url = gateway.ws_url();
     let mut good = registered(&url, &device_register("good", "windows")).await;
     let mut slow = registered(&url, &device_register("slow", "windows")).await;
     until_online(&stack, "slow").await;
@@ -205,8 +206,7 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
     );
     good.heartbeat("good", "device").await;
     until_online(&stack, "good").await;
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(WAIT, handle).await;
+    gateway.stop().await;
     stack.stop().await;
 }
 both_backends!(a_client_that_does_not_read_is_disconnected_and_frees_its_slot);

@@ -27,7 +27,8 @@ pub mod settings;
 pub mod startup;
 pub mod store;
 
+pub use aip_runtime::StartError;
 pub use registry::Registry;
 pub use settings::{RegistrySettings, Settings};
-pub use startup::{Application, RunError, StartError};
+pub use startup::{Application, RunError};
 pub use store::AgentStore;

@@ -8,13 +8,19 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use aip_runtime::service::{
+    Common, DEFAULT_DATABASE_URL, DEFAULT_NATS_URL, Exposure, Guard, ServiceName, ServiceSettings,
+    StartError, require_positive,
+};
 use aip_runtime::telemetry::LogFormat;
+use aip_store::PoolOptions;
 use serde::{Deserialize, Serialize};
 
 /// Upper bound of [`RegistrySettings::max_in_flight`].
 pub const MAX_IN_FLIGHT: usize = 100_000;
 
-/// Everything the registry can be told.
+/// Everything the registry can be told: the settings every service shares (see
+/// [`aip_runtime::service`]) at the top, its own in `[registry]`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Settings {
@@ -24,9 +30,9 @@ pub struct Settings {
     pub database_url: String,
     /// Subject prefix shared by every service of one deployment.
     pub subject_prefix: String,
-    /// Log format.
+    /// `pretty` for a terminal, `json` for a log collector.
     pub log_format: LogFormat,
-    /// The registry's own settings.
+    /// The `[registry]` section (`AIP_REGISTRY__…`).
     pub registry: RegistrySettings,
 }
 
@@ -68,8 +74,8 @@ pub struct RegistrySettings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            nats_url: "nats://127.0.0.1:4222".to_owned(),
-            database_url: "postgres://postgres@127.0.0.1:5432/aip".to_owned(),
+            nats_url: DEFAULT_NATS_URL.to_owned(),
+            database_url: DEFAULT_DATABASE_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
             registry: RegistrySettings::default(),
@@ -96,64 +102,67 @@ impl Default for RegistrySettings {
     }
 }
 
-/// A setting that cannot work.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SettingsError {
-    /// `/api/*` would be open to the network.
-    #[error(
-        "refusing to serve the REST API on {listen} without API keys: set registry.api_keys \
-         (AIP_REGISTRY__API_KEYS=key1,key2), listen on a loopback address, or set \
-         registry.allow_no_auth=true on a trusted network"
-    )]
-    NoAuthOnNetwork {
-        /// The non-loopback address.
-        listen: SocketAddr,
-    },
-    /// A duration or size is zero, or out of proportion with another.
-    #[error("invalid registry setting: {0}")]
-    Invalid(String),
-    /// The subject prefix is not usable.
-    #[error(transparent)]
-    Prefix(#[from] proto_schemas::subjects::InvalidPrefix),
+impl ServiceSettings for Settings {
+    const SERVICE: ServiceName = ServiceName::Registry;
+    const GUARD: Guard = Guard::ApiKeys;
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            nats_url: &self.nats_url,
+            database_url: Some(&self.database_url),
+            subject_prefix: &self.subject_prefix,
+            log_format: self.log_format,
+        }
+    }
+
+    fn exposure(&self) -> Exposure {
+        Exposure {
+            listen: self.registry.listen,
+            secured: !self.registry.api_keys.is_empty(),
+            allow_no_auth: self.registry.allow_no_auth,
+        }
+    }
+
+    fn pool_options(&self) -> PoolOptions {
+        PoolOptions {
+            max_connections: self.registry.db_max_connections,
+            ..PoolOptions::default()
+        }
+    }
+
+    fn check_own(&self) -> Result<(), StartError> {
+        self.registry.validate()
+    }
 }
 
 impl RegistrySettings {
-    /// Checks the settings for combinations that cannot work.
-    pub fn validate(&self) -> Result<(), SettingsError> {
-        if self.api_keys.is_empty() && !self.listen.ip().is_loopback() && !self.allow_no_auth {
-            return Err(SettingsError::NoAuthOnNetwork {
-                listen: self.listen,
-            });
-        }
+    /// Checks the section for values that cannot work.
+    fn validate(&self) -> Result<(), StartError> {
+        let invalid = |reason: String| StartError::invalid(ServiceName::Registry, reason);
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
-            return Err(SettingsError::Invalid(
-                "api_keys must not contain empty keys".to_owned(),
-            ));
+            return Err(invalid("api_keys must not contain empty keys".to_owned()));
         }
-        for (name, value) in [
-            ("liveness_ms", self.liveness_ms),
-            (
-                "agent_liveness_ms",
-                self.agent_liveness_ms.unwrap_or(self.liveness_ms),
-            ),
-            ("presence_flush_ms", self.presence_flush_ms),
-            ("reap_interval_ms", self.reap_interval_ms),
-            ("max_in_flight", self.max_in_flight as u64),
-            ("db_max_connections", u64::from(self.db_max_connections)),
-        ] {
-            if value == 0 {
-                return Err(SettingsError::Invalid(format!(
-                    "{name} must be greater than 0"
-                )));
-            }
-        }
+        require_positive(
+            ServiceName::Registry,
+            &[
+                ("liveness_ms", self.liveness_ms),
+                (
+                    "agent_liveness_ms",
+                    self.agent_liveness_ms.unwrap_or(self.liveness_ms),
+                ),
+                ("presence_flush_ms", self.presence_flush_ms),
+                ("reap_interval_ms", self.reap_interval_ms),
+                ("max_in_flight", self.max_in_flight as u64),
+                ("db_max_connections", u64::from(self.db_max_connections)),
+            ],
+        )?;
         if self.max_in_flight > MAX_IN_FLIGHT {
-            return Err(SettingsError::Invalid(format!(
+            return Err(invalid(format!(
                 "max_in_flight must be at most {MAX_IN_FLIGHT}"
             )));
         }
         if self.presence_flush_ms >= self.liveness_ms {
-            return Err(SettingsError::Invalid(format!(
+            return Err(invalid(format!(
                 "presence_flush_ms ({}) must be well below liveness_ms ({}), or live agents expire \
                  before their presence is written",
                 self.presence_flush_ms, self.liveness_ms
@@ -194,24 +203,47 @@ mod tests {
 
     #[test]
     fn defaults_are_valid() {
-        RegistrySettings::default()
-            .validate()
-            .expect("defaults validate");
+        Settings::default().validate().expect("defaults validate");
     }
 
     #[test]
     fn open_api_on_the_network_is_refused_unless_allowed() {
-        let mut s = RegistrySettings {
-            listen: "0.0.0.0:5001".parse().expect("addr"),
-            ..Default::default()
-        };
+        let mut s = Settings::default();
+        s.registry.listen = "0.0.0.0:5001".parse().expect("addr");
         let err = s.validate().expect_err("no keys on 0.0.0.0");
         assert!(err.to_string().contains("AIP_REGISTRY__API_KEYS"), "{err}");
-        s.allow_no_auth = true;
+        s.registry.allow_no_auth = true;
         s.validate().expect("explicitly allowed");
-        s.allow_no_auth = false;
-        s.api_keys = vec!["k".to_owned()];
+        s.registry.allow_no_auth = false;
+        s.registry.api_keys = vec!["k".to_owned()];
         s.validate().expect("keys set");
+    }
+
+    #[test]
+    fn environment_variables_keep_their_names() {
+        let environment = [
+            ("AIP_NATS_URL", "nats://bus:4222"),
+            ("AIP_DATABASE_URL", "postgres://db/aip"),
+            ("AIP_SUBJECT_PREFIX", "envtest"),
+            ("AIP_LOG_FORMAT", "json"),
+            ("AIP_REGISTRY__LISTEN", "0.0.0.0:6001"),
+            ("AIP_REGISTRY__API_KEYS", "k1,k2"),
+            ("AIP_REGISTRY__ALLOW_NO_AUTH", "true"),
+            ("AIP_REGISTRY__LIVENESS_MS", "20000"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let loaded: Result<Settings, _> =
+            aip_runtime::settings::load_from(None, environment.into());
+        let s = loaded.expect("loads");
+        assert_eq!(s.nats_url, "nats://bus:4222");
+        assert_eq!(s.database_url, "postgres://db/aip");
+        assert_eq!(s.subject_prefix, "envtest");
+        assert_eq!(s.log_format, LogFormat::Json);
+        assert_eq!(s.registry.listen, "0.0.0.0:6001".parse().expect("addr"));
+        assert_eq!(s.registry.api_keys, ["k1", "k2"]);
+        assert!(s.registry.allow_no_auth);
+        assert_eq!(s.registry.liveness_ms, 20_000);
+        s.validate().expect("valid");
     }
 
     #[test]
@@ -225,11 +257,9 @@ mod tests {
 
     #[test]
     fn flush_must_be_shorter_than_liveness() {
-        let s = RegistrySettings {
-            liveness_ms: 500,
-            presence_flush_ms: 500,
-            ..Default::default()
-        };
+        let mut s = Settings::default();
+        s.registry.liveness_ms = 500;
+        s.registry.presence_flush_ms = 500;
         assert!(s.validate().is_err());
     }
 }

@@ -11,10 +11,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aip_bus::{BusError, SharedBus};
-use aip_store::{Database, DatabaseError};
+use aip_bus::SharedBus;
+use aip_runtime::api_keys::ApiKeys;
+use aip_runtime::health::Probes;
+use aip_runtime::listener::{Listening, ServiceListener};
+use aip_runtime::runner::{self, Shutdown};
+use aip_runtime::service::{ServiceName, ServiceSettings, StartError};
+use aip_store::Database;
 use proto_schemas::Subjects;
-use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -23,33 +27,8 @@ use crate::http::{self, AppState};
 use crate::presence::{self, PresenceBuffer};
 use crate::reaper;
 use crate::registry::Registry;
-use crate::settings::{RegistrySettings, Settings, SettingsError};
+use crate::settings::{RegistrySettings, Settings};
 use crate::store::{self, AgentStore, Windows};
-use aip_runtime::api_keys::ApiKeys;
-
-/// Why the registry could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    /// The settings cannot work.
-    #[error(transparent)]
-    Settings(#[from] SettingsError),
-    /// The database could not be migrated.
-    #[error(transparent)]
-    Database(#[from] DatabaseError),
-    /// A subscription failed.
-    #[error("cannot subscribe to the registry's subjects: {0}")]
-    Bus(#[from] BusError),
-    /// The HTTP address could not be bound.
-    #[error(
-        "cannot listen on {addr}: {source}; is another process using the port? (set registry.listen)"
-    )]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// The cause.
-        source: std::io::Error,
-    },
-}
 
 /// Why the registry stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -62,10 +41,12 @@ pub enum RunError {
 /// A built registry, ready to run.
 pub struct Application {
     settings: RegistrySettings,
-    listener: TcpListener,
-    http_addr: SocketAddr,
+    listener: ServiceListener,
     bus: SharedBus,
+    /// The reaper publishes the ends of expired connections on the frames subjects.
+    subjects: Subjects,
     store: Arc<dyn AgentStore>,
+    probes: Probes,
     requests: RequestSubscriptions,
     presence: aip_bus::Subscription,
 }
@@ -78,13 +59,29 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
+        Self::assemble(settings, bus, db, Listening::Own).await
+    }
+
+    /// As [`Application::build`], without a listener of its own: the caller serves
+    /// [`Application::router`] (`aip dev` on its one address).
+    pub async fn build_embedded(
+        settings: Settings,
+        bus: SharedBus,
+        db: Database,
+    ) -> Result<Self, StartError> {
+        Self::assemble(settings, bus, db, Listening::Embedded).await
+    }
+
+    async fn assemble(
+        settings: Settings,
+        bus: SharedBus,
+        db: Database,
+        listening: Listening,
+    ) -> Result<Self, StartError> {
+        let subjects = settings.validate()?;
         let Settings {
-            subject_prefix,
-            registry: settings,
-            ..
+            registry: settings, ..
         } = settings;
-        settings.validate()?;
-        let subjects = Subjects::new(&subject_prefix).map_err(SettingsError::from)?;
         db.migrate().await?;
         let store = store::for_database(&db);
         let requests = RequestSubscriptions::subscribe(&*bus, &subjects).await?;
@@ -92,52 +89,42 @@ impl Application {
             .queue_subscribe(subjects.presence_all(), QUEUE_GROUP.to_owned())
             .await?;
         let listener =
-            TcpListener::bind(settings.listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: settings.listen,
-                    source,
-                })?;
-        let http_addr = listener.local_addr().map_err(|source| StartError::Bind {
-            addr: settings.listen,
-            source,
-        })?;
+            ServiceListener::open(ServiceName::Registry, settings.listen, listening).await?;
+        let http_addr = listener.local_addr();
         if settings.api_keys.is_empty() {
             tracing::warn!(%http_addr, "no API keys configured: /api/* is open (loopback or allow_no_auth)");
         }
         tracing::info!(
             %http_addr,
+            embedded = !listener.is_bound(),
             prefix = %subjects.prefix(),
             database = %db.backend(),
             liveness_ms = settings.liveness_ms,
             "registry ready"
         );
+        let probes = Probes::new().bus(bus.clone()).database(db);
         Ok(Application {
             settings,
             listener,
-            http_addr,
             bus,
+            subjects,
             store,
+            probes,
             requests,
             presence,
         })
     }
 
-    /// Where the REST API listens (useful with port 0).
+    /// Where the REST API listens (useful with port 0); embedded, the configured address.
     pub fn http_addr(&self) -> SocketAddr {
-        self.http_addr
+        self.listener.local_addr()
     }
 
     /// The REST router (`/api/agents`, `/api/clients`, `/api/health`, `/healthz`, `/readyz`)
     /// over this registry's store, for embedding in another server (`aip dev` serves it on
-    /// its one listener). The registry's own listener keeps serving the same routes.
+    /// its one listener).
     pub fn router(&self) -> axum::Router {
-        http::router(
-            AppState {
-                store: self.store.clone(),
-            },
-            ApiKeys::new(&self.settings.api_keys),
-        )
+        router(&self.settings, self.store.clone(), self.probes.clone())
     }
 
     /// The liveness windows in force.
@@ -154,10 +141,11 @@ impl Application {
             settings,
             listener,
             bus,
+            subjects,
             store,
+            probes,
             requests,
             presence,
-            ..
         } = self;
         let windows = windows(&settings);
         let stop = CancellationToken::new();
@@ -187,20 +175,21 @@ impl Application {
             settings.presence_flush(),
             flush_stop.clone(),
         ));
+        let notices = reaper::Notices {
+            bus: bus.clone(),
+            subjects: subjects.clone(),
+        };
         let reaper_task = tokio::spawn(reaper::run(
             store.clone(),
+            notices,
             windows,
             settings.reap_interval(),
             settings.liveness(),
             stop.child_token(),
         ));
-        let app = http::router(AppState { store }, ApiKeys::new(&settings.api_keys));
+        let app = router(&settings, store, probes);
         let http_stop = stop.child_token();
-        let mut http_task = tokio::spawn(async move {
-            axum::serve(aip_runtime::nodelay(listener), app)
-                .with_graceful_shutdown(http_stop.cancelled_owned())
-                .await
-        });
+        let mut http_task = tokio::spawn(listener.serve(app, http_stop.cancelled_owned()));
 
         let http_failed = tokio::select! {
             () = shutdown => None,
@@ -247,13 +236,35 @@ impl Application {
                 }
             },
         };
-        tracing::info!("registry stopped");
         match http_result {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(RunError::Http(e)),
             Err(join) => Err(RunError::Http(std::io::Error::other(join))),
         }
     }
+}
+
+impl runner::Service for Application {
+    type Settings = Settings;
+    type RunError = RunError;
+
+    async fn start(
+        settings: Settings,
+        bus: SharedBus,
+        database: Option<Database>,
+    ) -> Result<Self, StartError> {
+        let database = runner::require_database(ServiceName::Registry, database)?;
+        Application::build(settings, bus, database).await
+    }
+
+    async fn run_until(self, shutdown: Shutdown) -> Result<(), RunError> {
+        self.run_until_stopped(shutdown).await
+    }
+}
+
+/// The REST routes and the probes.
+fn router(settings: &RegistrySettings, store: Arc<dyn AgentStore>, probes: Probes) -> axum::Router {
+    http::router(AppState { store }, ApiKeys::new(&settings.api_keys)).merge(probes.routes())
 }
 
 fn windows(settings: &RegistrySettings) -> Windows {

@@ -10,10 +10,15 @@ use std::time::Duration;
 
 use aip_bus::{NatsBus, SharedBus};
 use aip_store::testing::TestDatabase;
-use common::{device, wait_until};
+use aip_testkit::eventually_within;
+use common::device;
 use proto_schemas::Subjects;
 use proto_schemas::registry::{Registered, Reply};
 use serde_json::Value;
+
+/// How long the binary may take to be ready: it connects to NATS and PostgreSQL and
+/// migrates a fresh database, on a machine busy with other tests.
+const STARTUP: Duration = Duration::from_secs(60);
 
 fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
@@ -61,13 +66,12 @@ async fn binary_serves_nats_and_rest_and_stops_on_sigterm() {
 
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
-    wait_until(Duration::from_secs(60), "/readyz answers 200", || async {
-        match http.get(format!("{base}/readyz")).send().await {
-            Ok(r) => r.status() == 200,
-            Err(_) => false,
-        }
+    eventually_within(STARTUP, "/readyz answers 200", || async {
+        let response = http.get(format!("{base}/readyz")).send().await.ok()?;
+        (response.status() == 200).then_some(())
     })
-    .await;
+    .await
+    .unwrap_or_else(|e| panic!("{e}; its log:\n{}", logs()));
 
     let bus: SharedBus = Arc::new(
         NatsBus::connect(&nats_url(), "aip-registry-binary-test")

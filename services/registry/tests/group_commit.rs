@@ -1,6 +1,7 @@
 //! Group commit ([`aip_registry::group_commit`]) against real databases: writes queued while
 //! a transaction commits share the next transaction, every one is answered, and every one
-//! the caller was told about is committed. Each test runs on PostgreSQL and on SQLite.
+//! the caller was told about is committed. Each test runs on PostgreSQL and on SQLite (the
+//! databases of the test kit's two backends; no bus is involved).
 //!
 //! The store is wrapped so that its first transaction waits for the test: the writes sent
 //! meanwhile are queued, and the test sees exactly which batches were written.
@@ -15,34 +16,14 @@ use aip_registry::store::{
 };
 use aip_store::Database;
 use aip_store::testing::TestDatabase;
+use aip_testkit::{Backend, WAIT, both_backends, eventually, test_database, wait_until, within};
 use futures::future::BoxFuture;
 use futures::{FutureExt, future};
 use proto_schemas::registry::{AgentStatus, RegisterAgent};
 use proto_schemas::{ClientType, ErrorCode, Platform, V1};
 use serde_json::json;
 use tokio::sync::Semaphore;
-
-#[derive(Debug, Clone, Copy)]
-enum Backend {
-    Postgres,
-    Sqlite,
-}
-
-macro_rules! both_databases {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                super::$name(super::Backend::Postgres).await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() {
-                super::$name(super::Backend::Sqlite).await
-            }
-        }
-    )*};
-}
+use tokio::task::JoinHandle;
 
 const WINDOWS: Windows = Windows {
     gateway: Duration::from_secs(15),
@@ -144,13 +125,9 @@ struct Harness {
 
 impl Harness {
     async fn start(backend: Backend) -> Harness {
-        aip_runtime::install_crypto_provider();
-        let test_db = match backend {
-            Backend::Postgres => TestDatabase::postgres()
-                .await
-                .expect("PostgreSQL must be running (DATABASE_URL)"),
-            Backend::Sqlite => TestDatabase::sqlite().expect("temp dir"),
-        };
+        let test_db = test_database(backend)
+            .await
+            .expect("PostgreSQL must be running (DATABASE_URL)");
         let db = test_db.connect().await.expect("test database connects");
         db.migrate().await.expect("migrated");
         let store = Arc::new(GatedStore {
@@ -168,54 +145,37 @@ impl Harness {
     }
 
     /// Sends `first` and waits until its batch is being written (and held at the gate).
-    async fn hold_first(&self, first: RegisterAgent) -> tokio::task::JoinHandle<RegisterOutcome> {
+    async fn hold_first(&self, first: RegisterAgent) -> JoinHandle<RegisterOutcome> {
         let queue = self.queue.clone();
         let first =
             tokio::spawn(async move { queue.register(first).await.expect("first registration") });
-        wait::eventually(
-            || "the first batch reaches the store".to_owned(),
-            || self.store.sizes() == [1],
-        )
+        wait_until("the first batch reaches the store", || async {
+            self.store.sizes() == [1]
+        })
         .await;
         first
     }
 
     /// Waits until the store holds its first batch and `n` more writes are queued.
     async fn until_queued(&self, n: usize) {
-        wait::eventually(
-            || {
-                format!(
-                    "{n} writes queued behind the held batch; batches {:?}, queued {}",
-                    self.store.batches(),
-                    self.queue.queued()
-                )
-            },
-            || self.store.sizes() == [1] && self.queue.queued() == n,
+        eventually(
+            &format!("{n} writes queued behind the held batch"),
+            || async { (self.store.sizes() == [1] && self.queue.queued() == n).then_some(()) },
         )
-        .await;
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}; batches {:?}, queued {}",
+                self.store.batches(),
+                self.queue.queued()
+            )
+        });
     }
 
     async fn stop(self) {
         drop(self.queue);
         self.db.close().await;
         self.test_db.cleanup().await;
-    }
-}
-
-/// Polling with a deadline (this crate does not depend on the test kit).
-mod wait {
-    use std::time::{Duration, Instant};
-
-    pub async fn eventually(what: impl Fn() -> String, mut condition: impl FnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !condition() {
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for: {}",
-                what()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
     }
 }
 
@@ -235,6 +195,22 @@ fn device(agent_id: &str, connection_id: &str, principal: &str) -> RegisterAgent
         metadata: None,
         extensions: vec![],
     }
+}
+
+/// What a spawned write returned, within [`WAIT`].
+async fn joined<T>(what: &str, write: JoinHandle<T>) -> T {
+    within(WAIT, what, write)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// What every spawned write returned, within [`WAIT`] in all.
+async fn all_joined<T>(what: &str, writes: Vec<JoinHandle<T>>) -> Vec<T> {
+    within(WAIT, what, future::join_all(writes))
+        .await
+        .into_iter()
+        .map(|joined| joined.unwrap_or_else(|e| panic!("{what}: {e}")))
+        .collect()
 }
 
 fn registered(outcome: RegisterOutcome) -> Option<String> {
@@ -259,9 +235,9 @@ async fn queued_registrations_share_one_transaction_and_all_are_committed(backen
         .collect();
     h.until_queued(20).await;
     h.store.open_gate();
-    assert_eq!(registered(first.await.expect("joined")), None);
-    for send in future::join_all(sends).await {
-        let outcome = send.expect("joined").expect("written");
+    assert_eq!(registered(joined("the first write", first).await), None);
+    for outcome in all_joined("the queued writes", sends).await {
+        let outcome = outcome.expect("written");
         assert_eq!(registered(outcome), None);
     }
     assert_eq!(
@@ -316,12 +292,12 @@ async fn one_agent_twice_is_written_in_two_batches_in_order(backend: Backend) {
     h.until_queued(4).await;
     h.store.open_gate();
 
-    assert_eq!(registered(first.await.expect("joined")), None);
+    assert_eq!(registered(joined("the first write", first).await), None);
     assert_eq!(
-        registered(twice_1.await.expect("joined").expect("written")),
+        registered(joined("twice, first", twice_1).await.expect("written")),
         None
     );
-    match twice_2.await.expect("joined").expect("written") {
+    match joined("twice, second", twice_2).await.expect("written") {
         RegisterOutcome::Refused(refusal) => {
             assert_eq!(refusal.error_code, ErrorCode::RegistrationFailed);
             assert_eq!(
@@ -332,12 +308,12 @@ async fn one_agent_twice_is_written_in_two_batches_in_order(backend: Backend) {
         other => panic!("a live anonymous id was registered twice: {other:?}"),
     }
     assert!(
-        gone.await.expect("joined").expect("written"),
+        joined("the unregistration", gone).await.expect("written"),
         "went offline"
     );
     // The same id again waited for the next batch, where its holder had already gone.
     assert_eq!(
-        registered(back.await.expect("joined").expect("written")),
+        registered(joined("held, again", back).await.expect("written")),
         None
     );
     assert_eq!(
@@ -372,15 +348,11 @@ async fn a_write_the_database_refuses_fails_alone(backend: Backend) {
         .collect();
     h.until_queued(6).await;
     h.store.open_gate();
-    registered(first.await.expect("joined"));
-    let outcomes: Vec<_> = future::join_all(sends)
-        .await
-        .into_iter()
-        .map(|r| r.expect("joined"))
-        .collect();
+    registered(joined("the first write", first).await);
+    let outcomes = all_joined("the queued writes", sends).await;
     for (i, outcome) in outcomes.iter().enumerate() {
         match (i, backend, outcome) {
-            (2, Backend::Postgres, Err(e)) => {
+            (2, Backend::NatsPostgres, Err(e)) => {
                 assert!(!e.is_unavailable(), "{e}");
             }
             (_, _, Ok(RegisterOutcome::Registered(_))) => {}
@@ -400,8 +372,8 @@ async fn a_write_the_database_refuses_fails_alone(backend: Backend) {
     let batches = h.store.sizes();
     match backend {
         // The batch of six failed, then each write was written alone.
-        Backend::Postgres => assert_eq!(batches, [1, 6, 1, 1, 1, 1, 1, 1]),
-        Backend::Sqlite => assert_eq!(batches, [1, 6]),
+        Backend::NatsPostgres => assert_eq!(batches, [1, 6, 1, 1, 1, 1, 1, 1]),
+        Backend::LocalSqlite => assert_eq!(batches, [1, 6]),
     }
     h.stop().await;
 }
@@ -426,8 +398,8 @@ async fn two_replicas_registering_the_same_new_ids_admit_one_each(backend: Backe
         ));
     }
     for (id, one, two) in sends {
-        let one = one.await.expect("joined").expect("written");
-        let two = two.await.expect("joined").expect("written");
+        let one = joined(&id, one).await.expect("written");
+        let two = joined(&id, two).await.expect("written");
         let winner = match (&one, &two) {
             (RegisterOutcome::Registered(_), RegisterOutcome::Refused(refusal))
             | (RegisterOutcome::Refused(refusal), RegisterOutcome::Registered(_)) => {
@@ -446,7 +418,7 @@ async fn two_replicas_registering_the_same_new_ids_admit_one_each(backend: Backe
     h.stop().await;
 }
 
-both_databases!(
+both_backends!(
     queued_registrations_share_one_transaction_and_all_are_committed,
     two_replicas_registering_the_same_new_ids_admit_one_each,
     one_agent_twice_is_written_in_two_batches_in_order,

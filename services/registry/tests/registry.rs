@@ -1,13 +1,14 @@
 //! Conformance tests of the registry, run against both backends: (NATS + PostgreSQL) and
-//! (in-process bus + SQLite). Each test is one async fn taking the [`Backend`]; the
-//! `both_backends!` macro turns it into `<name>::nats_postgres` and `<name>::local_sqlite`.
+//! (in-process bus + SQLite). Each test is one async fn taking the test kit's [`Backend`];
+//! its `both_backends!` macro turns it into `<name>::nats_postgres` and `<name>::local_sqlite`.
 
 mod common;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{Backend, Options, TestApp, constellation, device, publish_presence, wait_until};
+use aip_testkit::{Backend, WAIT, both_backends, wait_until, within};
+use common::{Options, TestApp, constellation, device, publish_presence};
 use futures::StreamExt;
 use proto_schemas::registry::{AgentRecord, AgentStatus, Registered, Reply};
 use proto_schemas::{ClientType, ErrorCode, Extension, McpToolInfo};
@@ -31,6 +32,9 @@ both_backends!(
     rest_requires_an_api_key,
     replicas_share_the_queue_group,
 );
+
+/// A registry liveness window far beyond [`WAIT`]: no agent expires while a test waits.
+const NEVER_EXPIRES_MS: u64 = 600_000;
 
 async fn register_get_and_lookup(backend: Backend) {
     let app = TestApp::spawn(backend, Options::default()).await;
@@ -319,9 +323,7 @@ async fn unregister_by_a_stale_connection_is_ignored(backend: Backend) {
 }
 
 async fn presence_keeps_agents_alive_and_silent_gateways_expire(backend: Backend) {
-    let options = Options::fast();
-    let window = Duration::from_millis(options.liveness_ms + options.reap_interval_ms);
-    let app = TestApp::spawn(backend, options).await;
+    let app = TestApp::spawn(backend, Options::fast()).await;
     app.register(&device("kept", "gw-live", "c1", "lab"))
         .await
         .expect("registered");
@@ -340,11 +342,9 @@ async fn presence_keeps_agents_alive_and_silent_gateways_expire(backend: Backend
     });
 
     let started = tokio::time::Instant::now();
-    wait_until(
-        window + Duration::from_secs(3),
-        "the silent gateway's agent is offline",
-        || async { app.status("dropped").await == AgentStatus::Offline },
-    )
+    wait_until("the silent gateway's agent is offline", || async {
+        app.status("dropped").await == AgentStatus::Offline
+    })
     .await;
     assert!(
         started.elapsed() >= Duration::from_millis(1_000),
@@ -361,19 +361,22 @@ async fn presence_keeps_agents_alive_and_silent_gateways_expire(backend: Backend
 
     // Now gw-live goes silent too.
     reporter.abort();
-    wait_until(
-        window + Duration::from_secs(3),
-        "the second gateway's agent is offline",
-        || async { app.status("kept").await == AgentStatus::Offline },
-    )
+    wait_until("the second gateway's agent is offline", || async {
+        app.status("kept").await == AgentStatus::Offline
+    })
     .await;
     assert!(app.lookup(&[], None, None).await.is_empty());
     app.stop().await;
 }
 
 async fn stopping_gateway_takes_its_agents_offline_at_once(backend: Backend) {
-    // Default 15 s liveness: going offline within 3 s can only be the stopping batch.
-    let app = TestApp::spawn(backend, Options::default()).await;
+    // A liveness window far beyond the test's patience (WAIT): going offline while the test
+    // waits can only be the stopping batch.
+    let options = Options {
+        liveness_ms: NEVER_EXPIRES_MS,
+        ..Options::default()
+    };
+    let app = TestApp::spawn(backend, options).await;
     app.register(&device("a", "gw-1", "c1", "lab"))
         .await
         .expect("registered");
@@ -384,41 +387,33 @@ async fn stopping_gateway_takes_its_agents_offline_at_once(backend: Backend) {
         .await
         .expect("registered");
     app.presence("gw-1", &[("a", "c1")], true).await;
-    wait_until(
-        Duration::from_secs(3),
-        "gw-1's agents are offline",
-        || async {
-            app.status("a").await == AgentStatus::Offline
-                && app.status("b").await == AgentStatus::Offline
-        },
-    )
+    wait_until("gw-1's agents are offline", || async {
+        app.status("a").await == AgentStatus::Offline
+            && app.status("b").await == AgentStatus::Offline
+    })
     .await;
     assert_eq!(app.status("other").await, AgentStatus::Available);
     // A late report of the stopped gateway does not bring them back.
     let other_seen = app.get("other").await.expect("get").last_seen;
     app.presence("gw-1", &[("a", "c1")], false).await;
     app.presence("gw-2", &[("other", "c3")], false).await;
-    wait_until(
-        Duration::from_secs(3),
-        "both reports were written",
-        || async { app.get("other").await.expect("get").last_seen > other_seen },
-    )
+    wait_until("both reports were written", || async {
+        app.get("other").await.expect("get").last_seen > other_seen
+    })
     .await;
     assert_eq!(app.status("a").await, AgentStatus::Offline);
     app.stop().await;
 }
 
 async fn presence_revives_expired_agents_but_not_unregistered_ones(backend: Backend) {
-    let options = Options::fast();
-    let window = Duration::from_millis(options.liveness_ms + options.reap_interval_ms);
-    let app = TestApp::spawn(backend, options).await;
+    let app = TestApp::spawn(backend, Options::fast()).await;
     app.register(&device("comeback", "gw-1", "c1", "lab"))
         .await
         .expect("registered");
     app.register(&device("closed", "gw-1", "c2", "lab"))
         .await
         .expect("registered");
-    wait_until(window + Duration::from_secs(3), "both expired", || async {
+    wait_until("both expired", || async {
         app.status("comeback").await == AgentStatus::Offline
             && app.status("closed").await == AgentStatus::Offline
     })
@@ -427,11 +422,9 @@ async fn presence_revives_expired_agents_but_not_unregistered_ones(backend: Back
     // The gateway was only cut off (say, the registry was down); it reports again.
     app.presence("gw-1", &[("comeback", "c1"), ("closed", "c2")], false)
         .await;
-    wait_until(
-        Duration::from_secs(3),
-        "the expired agent is back",
-        || async { app.status("comeback").await == AgentStatus::Available },
-    )
+    wait_until("the expired agent is back", || async {
+        app.status("comeback").await == AgentStatus::Available
+    })
     .await;
     assert_eq!(
         app.status("closed").await,
@@ -791,9 +784,8 @@ async fn replicas_share_the_queue_group(backend: Backend) {
         }
         let mut counts: HashMap<String, usize> = HashMap::new();
         for _ in 0..30 {
-            let reply = tokio::time::timeout(Duration::from_secs(10), replies.next())
+            let reply = within(WAIT, "the replies", replies.next())
                 .await
-                .expect("replies arrive")
                 .expect("subscription open");
             let parsed: Reply<AgentRecord> = serde_json::from_slice(&reply.payload).expect("Reply");
             assert!(matches!(parsed, Reply::Ok(_)));

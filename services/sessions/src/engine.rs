@@ -19,20 +19,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use aip_bus::{BusError, Headers, SharedBus};
-use proto_schemas::registry::{
-    AgentRecord, AgentStatus, GetAgent, GetAgentReply, LookupAgents, LookupReply,
-};
+use aip_bus::registry::{RegistryClient, RegistryError};
+use aip_bus::{Headers, SharedBus};
+use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents};
 use proto_schemas::server;
 use proto_schemas::sessions::{InboundFrame, PlanStep};
-use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, TaskStatus, V1};
+use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, V1};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::machine::{Machine, Refusal};
+use crate::machine::{CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::settings::SessionSettings;
-use crate::store::{OutFrame, StoreError, TaskRow, TaskStore, now_ms};
+use crate::store::{OutFrame, StoreError, TaskStore, Writer};
+use crate::task::{Task, now_ms};
+use crate::workers::PlannerError;
 
 /// Why a change could not be made. Transient errors are retried (a frame is redelivered);
 /// the rest are reported to whoever asked.
@@ -55,8 +56,8 @@ impl EngineError {
 /// What was created.
 #[derive(Debug, Clone)]
 pub struct Started {
-    /// The task.
-    pub task: TaskRow,
+    /// The task as its creation committed it.
+    pub task: Task,
 }
 
 /// How an op ended, as the applier reports it.
@@ -84,18 +85,18 @@ pub(crate) enum Op {
     /// A task from REST or NATS.
     Submit {
         prepared: Box<Prepared>,
-        reply: Reply<TaskRow>,
+        reply: Reply<Task>,
     },
     /// The remote planner's answer.
     Planned {
         task_id: String,
         step: i32,
-        decision: PlanStep,
+        decision: Result<PlanStep, PlannerError>,
     },
     /// Commands into a driven task.
     Commands {
         task_id: String,
-        step: PlanStep,
+        step: CommandStep,
         reply: Reply<(String, i64)>,
     },
     /// A driven task ends.
@@ -103,13 +104,13 @@ pub(crate) enum Op {
         task_id: String,
         result: Option<serde_json::Value>,
         error: Option<String>,
-        reply: Reply<TaskRow>,
+        reply: Reply<Task>,
     },
     /// A task is canceled.
     Cancel {
         task_id: String,
         reason: String,
-        reply: Reply<TaskRow>,
+        reply: Reply<Task>,
     },
 }
 
@@ -118,7 +119,7 @@ pub(crate) enum Op {
 #[allow(clippy::large_enum_variant)]
 enum Waiter {
     Unit(Reply<()>, Result<(), Refusal>),
-    Task(Reply<TaskRow>, Result<TaskRow, Refusal>),
+    Task(Reply<Task>, Result<Task, Refusal>),
     Sent(Reply<(String, i64)>, Result<(String, i64), Refusal>),
 }
 
@@ -143,12 +144,72 @@ impl Waiter {
     }
 }
 
+/// How long a task waits for the agent registry to come back: longer than a restart or a
+/// failover takes (a few seconds), short enough that the frames behind a waiting task frame in
+/// the stream are not held long.
+const REGISTRY_OUTAGE_WAIT: Duration = Duration::from_secs(8);
+/// The first pause between asks; it doubles up to [`REGISTRY_RETRY_MAX_DELAY`].
+const REGISTRY_RETRY_FIRST_DELAY: Duration = Duration::from_millis(100);
+/// The longest pause between asks.
+const REGISTRY_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
+
+/// Agents a capability lookup considers at most; the least loaded of them runs the task.
+const CAPABILITY_CANDIDATES: u32 = 50;
+
+/// How the leader's frames consumer is doing, for readiness: a consumer that holds unsettled
+/// frames and has acknowledged none for [`FRAMES_STALL`] makes no progress, and the replica
+/// says so instead of reporting ready while nothing moves.
+#[derive(Debug, Default)]
+pub struct FramesProgress {
+    /// Frames handed to the applier and not yet acknowledged or released.
+    unsettled: std::sync::atomic::AtomicI64,
+    /// When a frame was last acknowledged, or the consumer went from idle to busy (epoch ms).
+    last_progress_ms: std::sync::atomic::AtomicI64,
+}
+
+/// How long a consumer holding frames may go without acknowledging one before readiness fails.
+pub const FRAMES_STALL: Duration = Duration::from_secs(30);
+
+impl FramesProgress {
+    /// A frame was handed to the applier.
+    pub fn received(&self) {
+        if self.unsettled.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.last_progress_ms.store(now_ms(), Ordering::Release);
+        }
+    }
+
+    /// A frame was acknowledged: progress.
+    pub fn acked(&self) {
+        self.unsettled.fetch_sub(1, Ordering::AcqRel);
+        self.last_progress_ms.store(now_ms(), Ordering::Release);
+    }
+
+    /// A frame was handed back for redelivery: no progress.
+    pub fn released(&self) {
+        self.unsettled.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// `None` when the consumer progresses (or holds nothing); otherwise why not.
+    pub fn stalled(&self, now_ms: i64) -> Option<String> {
+        let unsettled = self.unsettled.load(Ordering::Acquire);
+        let idle_ms = now_ms - self.last_progress_ms.load(Ordering::Acquire);
+        let limit = i64::try_from(FRAMES_STALL.as_millis()).unwrap_or(i64::MAX);
+        (unsettled > 0 && idle_ms > limit).then(|| {
+            format!(
+                "{unsettled} frames held and none acknowledged for {} s",
+                idle_ms / 1000
+            )
+        })
+    }
+}
+
 /// The handle every part of a replica shares.
 #[derive(Clone)]
 pub struct Engine {
     /// Tables (reads; the leader's writes go through the applier).
     pub store: TaskStore,
     bus: SharedBus,
+    registry: RegistryClient,
     subjects: Subjects,
     settings: SessionSettings,
     blobs: aip_bus::BlobStore,
@@ -156,6 +217,8 @@ pub struct Engine {
     leading: Arc<AtomicBool>,
     /// Another replica held the leadership when this one last tried.
     standby: Arc<AtomicBool>,
+    /// The frames consumer's progress, for readiness.
+    pub frames: Arc<FramesProgress>,
     published: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
@@ -173,9 +236,15 @@ impl Engine {
         settings: SessionSettings,
     ) -> (Self, Applier) {
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
-        let (tx, rx) = mpsc::channel(settings.max_in_flight.max(64) * 2);
+        let (tx, rx) = mpsc::channel(settings.max_in_flight.max(MIN_IN_FLIGHT) * OP_QUEUE_FACTOR);
+        let registry = RegistryClient::new(
+            bus.clone(),
+            subjects.clone(),
+            Duration::from_millis(settings.request_timeout_ms),
+        );
         let engine = Engine {
             store,
+            registry,
             bus,
             subjects,
             settings,
@@ -183,12 +252,12 @@ impl Engine {
             ops: tx,
             leading: Arc::new(AtomicBool::new(false)),
             standby: Arc::new(AtomicBool::new(false)),
+            frames: Arc::default(),
             published: Arc::default(),
         };
         (engine, Applier { ops: rx })
     }
 
-    /// The bus.
     pub fn bus(&self) -> &SharedBus {
         &self.bus
     }
@@ -198,12 +267,10 @@ impl Engine {
         &self.blobs
     }
 
-    /// The subjects.
     pub fn subjects(&self) -> &Subjects {
         &self.subjects
     }
 
-    /// The settings.
     pub fn settings(&self) -> &SessionSettings {
         &self.settings
     }
@@ -263,7 +330,10 @@ impl Engine {
                 match self.store.get(&task_id).await? {
                     Some(task) => Err(EngineError::refused(
                         ErrorCode::Conflict,
-                        format!("task '{task_id}' has already ended ({})", task.state),
+                        format!(
+                            "task '{task_id}' has already ended ({})",
+                            task.state().as_str()
+                        ),
                     )),
                     None => Err(EngineError::refused(
                         ErrorCode::NotFound,
@@ -296,6 +366,24 @@ impl Engine {
         task_id: &str,
         step: PlanStep,
     ) -> Result<(String, i64), EngineError> {
+        let PlanStep::Commands {
+            actions,
+            agent_name,
+            process_name,
+            root_name,
+        } = step
+        else {
+            return Err(EngineError::refused(
+                ErrorCode::InvalidRequest,
+                "a driver sends commands; it ends its task with `complete`",
+            ));
+        };
+        let step = CommandStep {
+            actions,
+            agent_name,
+            process_name,
+            root_name,
+        };
         let task_id = task_id.to_owned();
         let result = self
             .apply(|reply| Op::Commands {
@@ -313,7 +401,7 @@ impl Engine {
         task_id: &str,
         result: Option<serde_json::Value>,
         error: Option<String>,
-    ) -> Result<TaskRow, EngineError> {
+    ) -> Result<Task, EngineError> {
         let task_id = task_id.to_owned();
         let result = self
             .apply(|reply| Op::Complete {
@@ -327,7 +415,7 @@ impl Engine {
     }
 
     /// Cancels a live task; the executor and a client requester are told.
-    pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<TaskRow, EngineError> {
+    pub async fn cancel(&self, task_id: &str, reason: &str) -> Result<Task, EngineError> {
         let task_id = task_id.to_owned();
         let reason = reason.to_owned();
         let result = self
@@ -413,15 +501,6 @@ impl Engine {
     async fn resolve(&self, new: &NewTask) -> Result<Vec<AgentRecord>, ErrorBody> {
         match &new.placement {
             Placement::Target(target) => {
-                let reply: GetAgentReply = self
-                    .registry_request(
-                        self.subjects.registry_get(),
-                        &GetAgent {
-                            version: V1,
-                            agent_id: target.clone(),
-                        },
-                    )
-                    .await?;
                 let constellation = matches!(
                     new.requester,
                     Requester::Client {
@@ -434,7 +513,7 @@ impl Engine {
                 } else {
                     format!("Device '{target}' is not connected")
                 };
-                match reply.into_result() {
+                match self.patiently(|| self.registry.get(target)).await {
                     Ok(agent) if agent.status == AgentStatus::Offline => {
                         Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
                     }
@@ -443,7 +522,10 @@ impl Engine {
                         "Constellation tasks may only target device clients",
                     )),
                     Ok(agent) => Ok(vec![agent]),
-                    Err(_) => Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected)),
+                    Err(RegistryError::Refused(_)) => {
+                        Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
+                    }
+                    Err(e) => Err(e.into_error_body()),
                 }
             }
             Placement::Capabilities(capabilities) => {
@@ -451,64 +533,69 @@ impl Engine {
                     version: V1,
                     capabilities: capabilities.clone(),
                     client_type: None,
-                    limit: Some(50),
+                    limit: Some(CAPABILITY_CANDIDATES),
                 };
-                let reply: LookupReply = self
-                    .registry_request(self.subjects.registry_lookup(), &lookup)
-                    .await?;
-                reply.into_result()
+                self.patiently(|| self.registry.lookup(&lookup))
+                    .await
+                    .map_err(RegistryError::into_error_body)
             }
         }
     }
 
-    async fn registry_request<Req: serde::Serialize, Rep: serde::de::DeserializeOwned>(
-        &self,
-        subject: String,
-        body: &Req,
-    ) -> Result<Rep, ErrorBody> {
-        let payload = serde_json::to_vec(body).unwrap_or_default();
-        let timeout = Duration::from_millis(self.settings.request_timeout_ms);
-        match self
-            .bus
-            .request(subject, Headers::new(), payload.into(), timeout)
-            .await
-        {
-            Ok(reply) => serde_json::from_slice(&reply.payload).map_err(|e| {
-                ErrorBody::new(
-                    ErrorCode::Internal,
-                    format!("invalid reply from the registry: {e}"),
-                )
-            }),
-            Err(BusError::NoResponders { .. }) => Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                "the agent registry is not running; try again later",
-            )),
-            Err(e) => Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                format!("the agent registry did not answer: {e}"),
-            )),
+    /// Runs a registry request, and runs it again while no registry is running, for up to
+    /// [`REGISTRY_OUTAGE_WAIT`]: a registry restarting (or failing over) delays the tasks that
+    /// need it instead of refusing them. A registry that answers late is not asked again (it
+    /// already had the request timeout).
+    async fn patiently<T, F, Fut>(&self, request: F) -> Result<T, RegistryError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, RegistryError>>,
+    {
+        let deadline = tokio::time::Instant::now() + REGISTRY_OUTAGE_WAIT;
+        let mut delay = REGISTRY_RETRY_FIRST_DELAY;
+        loop {
+            match request().await {
+                Err(RegistryError::NotRunning)
+                    if tokio::time::Instant::now() + delay < deadline =>
+                {
+                    tracing::debug!("no agent registry is running; asking again in {delay:?}");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(REGISTRY_RETRY_MAX_DELAY);
+                }
+                other => return other,
+            }
         }
     }
 
     // ----- refusals of frames -----
 
     /// Answers a refused client frame (after its batch committed): a redelivered frame that
-    /// was applied before is dropped silently; anything else gets an ERROR frame, and a
+    /// was applied before is dropped silently (unless `checked` is false: the database
+    /// checks are skipped for a frame whose refusal failed too often); anything else gets an ERROR frame, and a
     /// refused `task` also gets `task_end` (failed) so that Galaxy's pending task ends.
     pub(crate) async fn refuse_frame(
         &self,
         inbound: &InboundFrame,
         msg_id: &str,
         refusal: Refusal,
+        checked: bool,
     ) -> Result<(), StoreError> {
         let body = match refusal {
             Refusal::Now(body) => body,
+            Refusal::UnlessSeen(body, _) if !checked => body,
             Refusal::UnlessSeen(body, id) => {
                 if self.store.processed(&id).await? {
                     return Ok(());
                 }
                 body
             }
+            Refusal::NotLive { task_id } if !checked => ErrorBody::new(
+                ErrorCode::Conflict,
+                format!(
+                    "{} for session '{task_id}', which is not running",
+                    inbound.frame.kind
+                ),
+            ),
             Refusal::NotLive { task_id } => {
                 if self.store.processed(msg_id).await? {
                     return Ok(());
@@ -519,48 +606,44 @@ impl Engine {
                         ErrorCode::NotFound,
                         format!("{kind} for unknown session '{task_id}'"),
                     ),
-                    Some(task) if task.executor_id.as_deref() != Some(&inbound.client_id) => {
-                        ErrorBody::new(
-                            ErrorCode::Forbidden,
-                            format!(
-                                "{kind} refused: '{}' is not the executor of session '{task_id}'",
-                                inbound.client_id
-                            ),
-                        )
-                    }
+                    Some(task) if task.executor.id != inbound.client_id => ErrorBody::new(
+                        ErrorCode::Forbidden,
+                        format!(
+                            "{kind} refused: '{}' is not the executor of session '{task_id}'",
+                            inbound.client_id
+                        ),
+                    ),
                     Some(task) => ErrorBody::new(
                         ErrorCode::Conflict,
-                        format!("session '{task_id}' has already ended ({})", task.state),
+                        format!(
+                            "session '{task_id}' has already ended ({})",
+                            task.state().as_str()
+                        ),
                     ),
                 }
             }
         };
-        let client = &inbound.client_id;
-        let session = inbound.frame.session_id.clone();
-        let frame = match &session {
-            Some(sid) => server::session_error(body.error_code, &body.detail, sid),
-            None => server::error(body.error_code, &body.detail),
-        };
-        self.notify(client, &frame).await;
-        if inbound.frame.kind == proto_schemas::ClientMessageType::Task {
-            // Do better than UFO: end Galaxy's pending task at once.
-            if let Some(sid) = &session {
-                let end = server::task_end(
-                    sid,
-                    TaskStatus::Failed,
-                    None,
-                    Some(body.detail.clone()),
-                    &server::new_id(),
-                );
-                self.notify(client, &end).await;
-            }
+        let frames = server::refusal(
+            inbound.frame.kind,
+            inbound.frame.session_id.as_deref(),
+            body.error_code,
+            &body.detail,
+        );
+        for frame in &frames {
+            self.notify(&inbound.client_id, frame).await;
         }
         Ok(())
     }
 
     /// Publishes a frame to a client directly (for refusals, which change no task).
     async fn notify(&self, client_id: &str, frame: &ServerMessage) {
-        let payload = serde_json::to_vec(frame).unwrap_or_default();
+        let payload = match serde_json::to_vec(frame) {
+            Ok(payload) => payload,
+            Err(e) => {
+                tracing::error!(client = %client_id, "a refusal could not be encoded and is not sent: {e}");
+                return;
+            }
+        };
         if let Err(e) = self
             .bus
             .publish(
@@ -648,17 +731,15 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
         },
         None => Plan::Remote,
     };
+    let requester = Requester::Client {
+        id: inbound.client_id.clone(),
+        client_type: inbound.client_type,
+    };
+    let request = frame.request.clone().unwrap_or_default();
     let new = NewTask {
         task_id: frame.session_id.clone().filter(|s| !s.is_empty()),
         task_name: Some(sanitize_task_name(frame.task_name.as_deref())),
-        request: frame.request.clone().unwrap_or_default(),
         data: frame.metadata_value("data").cloned(),
-        requester: Requester::Client {
-            id: inbound.client_id.clone(),
-            client_type: inbound.client_type,
-        },
-        placement,
-        plan,
         priority: frame
             .metadata_value("priority")
             .and_then(serde_json::Value::as_i64)
@@ -668,7 +749,7 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
         timeout_secs: frame
             .metadata_value("timeout_secs")
             .and_then(serde_json::Value::as_u64),
-        ufo_dispatch: false,
+        ..NewTask::new(request, requester, placement, plan)
     };
     (echo_name, Ok(new))
 }
@@ -685,28 +766,22 @@ pub async fn run_applier(
 ) {
     let mut ops = applier.ops;
     let lock_name = format!("aip-sessions:{}", engine.subjects.prefix());
-    let retry = Duration::from_millis(engine.settings.standby_retry_ms.max(10));
-    let (frames_tx, frames_rx) = mpsc::channel::<Vec<OutFrame>>(256);
-    let (plans_tx, plans_rx) = mpsc::channel(engine.settings.max_in_flight.max(64) * 4);
+    let retry = Duration::from_millis(engine.settings.standby_retry_ms.max(MIN_STANDBY_RETRY_MS));
+    let (frames_tx, frames_rx) = mpsc::channel::<Vec<OutFrame>>(PUBLISH_QUEUE_BATCHES);
+    let (plans_tx, plans_rx) =
+        mpsc::channel(engine.settings.max_in_flight.max(MIN_IN_FLIGHT) * PLAN_QUEUE_FACTOR);
     let publisher = tokio::spawn(run_publisher(engine.clone(), frames_rx));
     let planner = tokio::spawn(crate::workers::run_planner(
         engine.clone(),
         plans_rx,
         engine.settings.max_in_flight,
     ));
+    let outputs = Outputs {
+        frames: frames_tx,
+        plans: plans_tx,
+    };
     let mut spare = None;
-    'lead: loop {
-        let mut writer = loop {
-            match engine.store.try_lead(&lock_name, &mut spare).await {
-                Ok(Some(w)) => break w,
-                Ok(None) => engine.standby.store(true, Ordering::Release),
-                Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),
-            }
-            tokio::select! {
-                () = tokio::time::sleep(retry) => {}
-                () = stop.cancelled() => break 'lead,
-            }
-        };
+    while let Some(mut writer) = wait_to_lead(&engine, &lock_name, &mut spare, retry, &stop).await {
         let live = match writer.load_live().await {
             Ok(live) => live,
             Err(e) => {
@@ -716,133 +791,272 @@ pub async fn run_applier(
             }
         };
         tracing::info!(live = live.len(), "leading: this replica applies changes");
-        let mut core = Machine::new(engine.settings.clone(), engine.subjects.clone(), live);
+        let core = Machine::new(engine.settings.clone(), engine.subjects.clone(), live);
         engine.standby.store(false, Ordering::Release);
         engine.leading.store(true, Ordering::Release);
         let term = stop.child_token();
         on_lead(term.clone());
-        // Deadlines and lost planner requests are looked at every half second, also under a
-        // load that never lets the applier wait.
-        let tick = Duration::from_millis(500);
-        let mut next_tick = tokio::time::Instant::now() + tick;
-        let mut rounds: u64 = 0;
-        let mut waiters: Vec<Waiter> = Vec::new();
-        loop {
-            // Wait only when nothing is left to write (ops applied while the last group was
-            // written are written at once).
-            if waiters.is_empty() && !core.has_changes() {
-                tokio::select! {
-                    biased;
-                    () = stop.cancelled() => {}
-                    op = ops.recv() => match op {
-                        Some(op) => apply_op(&mut core, op, &mut waiters),
-                        None => break 'lead,
-                    },
-                    () = tokio::time::sleep_until(next_tick) => {}
-                }
-            }
-            if tokio::time::Instant::now() >= next_tick {
-                next_tick = tokio::time::Instant::now() + tick;
-                rounds += 1;
-                let now = now_ms();
-                core.expire_due(now);
-                core.replan_stalled(now);
-                if rounds.is_multiple_of(120) {
-                    core.prune_processed(now - 600_000);
-                }
-            }
-            while core.changes() < engine.settings.max_batch {
-                match ops.try_recv() {
-                    Ok(op) => apply_op(&mut core, op, &mut waiters),
-                    Err(_) => break,
-                }
-            }
-            let published = engine
-                .published
-                .lock()
-                .map(|mut l| std::mem::take(&mut *l))
-                .unwrap_or_default();
-            core.published(published);
-            if !core.has_changes() && waiters.is_empty() {
-                if stop.is_cancelled() {
-                    break 'lead;
-                }
-                continue;
-            }
-            let mut pending = core.take();
-            let started = std::time::Instant::now();
-            // While the group is written, ops that arrive are applied to the next group, so
-            // that one is ready to write the moment this one has committed.
-            let mut next_waiters: Vec<Waiter> = Vec::new();
-            let mut channel_closed = false;
-            let written = {
-                let write = writer.write(&pending.batch);
-                tokio::pin!(write);
-                loop {
-                    tokio::select! {
-                        biased;
-                        written = &mut write => break written,
-                        op = ops.recv(), if !channel_closed && core.changes() < engine.settings.max_batch => {
-                            match op {
-                                Some(op) => apply_op(&mut core, op, &mut next_waiters),
-                                None => channel_closed = true,
-                            }
-                        }
-                    }
-                }
-            };
-            tracing::debug!(
-                replies = waiters.len(),
-                tasks = pending.batch.tasks.len(),
-                events = pending.batch.events.len(),
-                frames = pending.batch.outbox.len(),
-                applied_meanwhile = next_waiters.len(),
-                write_us = started.elapsed().as_micros() as u64,
-                "batch written"
-            );
-            match written {
-                Ok(()) => {
-                    core.committed(&pending);
-                    for waiter in waiters.drain(..) {
-                        waiter.succeed();
-                    }
-                    waiters = next_waiters;
-                    let frames = std::mem::take(&mut pending.batch.outbox);
-                    if !frames.is_empty() && frames_tx.send(frames).await.is_err() {
-                        break 'lead;
-                    }
-                    for plan in pending.plans.drain(..) {
-                        if plans_tx.try_send(plan).is_err() {
-                            tracing::warn!("planning queue full; the task is planned again later");
-                        }
-                    }
-                    if channel_closed {
-                        break 'lead;
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(
-                        "a batch of changes could not be written, giving up the leadership: {e}"
-                    );
-                    // The group applied meanwhile built on this one: it fails too.
-                    let error = e.to_string();
-                    for waiter in waiters.drain(..).chain(next_waiters) {
-                        waiter.fail(&error);
-                    }
-                    engine.leading.store(false, Ordering::Release);
-                    term.cancel();
-                    drop(writer);
-                    tokio::time::sleep(retry).await;
-                    continue 'lead;
-                }
-            }
-            // On stop, what was applied meanwhile is still written before the applier ends.
+        let mut leader = Leader {
+            engine: &engine,
+            core,
+            writer,
+            waiters: Vec::new(),
+            next_tick: tokio::time::Instant::now() + TICK,
+            ticks: 0,
+        };
+        let ended = leader.run(&mut ops, &stop, &outputs).await;
+        // Closes the leader's connection (and so releases the lock) before anything waits.
+        drop(leader);
+        engine.leading.store(false, Ordering::Release);
+        term.cancel();
+        match ended {
+            TermEnd::Stopped => break,
+            TermEnd::WriteFailed => tokio::time::sleep(retry).await,
         }
     }
     engine.leading.store(false, Ordering::Release);
-    drop(frames_tx);
+    drop(outputs);
     let _ = publisher.await;
     planner.abort();
+}
+
+/// Ops queued per in-flight frame: room for the frames of one full consumer window, and as
+/// many REST and planner ops, before senders wait.
+const OP_QUEUE_FACTOR: usize = 2;
+
+/// Deadlines and lost planner requests are looked at this often, also under a load that never
+/// lets the applier wait.
+const TICK: Duration = Duration::from_millis(500);
+/// Every this many ticks (a minute), processed-frame ids older than [`PROCESSED_RETENTION_MS`]
+/// are forgotten.
+const PRUNE_EVERY_TICKS: u64 = 120;
+/// How long a frame's id is remembered: far longer than JetStream redelivers a frame (its
+/// ack wait is 30 s), so a redelivery is always recognised.
+const PROCESSED_RETENTION_MS: i64 = 600_000;
+/// A standby asks for the leadership at most this often, whatever the setting says.
+const MIN_STANDBY_RETRY_MS: u64 = 10;
+/// Floor of `max_in_flight` when sizing queues, so that a tiny setting still lets a group form.
+pub(crate) const MIN_IN_FLIGHT: usize = 64;
+/// Committed groups whose frames wait to be published; the applier waits when it is full
+/// (publishing is the slower side only when NATS is).
+const PUBLISH_QUEUE_BATCHES: usize = 256;
+/// Planning requests queued per in-flight frame; a full queue drops the request, and the task
+/// is asked for again by [`Machine::replan_stalled`].
+const PLAN_QUEUE_FACTOR: usize = 4;
+
+/// Where a committed group's work goes.
+struct Outputs {
+    frames: mpsc::Sender<Vec<OutFrame>>,
+    plans: mpsc::Sender<proto_schemas::sessions::PlanRequest>,
+}
+
+/// Why a term of leadership ended.
+enum TermEnd {
+    /// The service stops (or every sender of ops is gone).
+    Stopped,
+    /// A group could not be written: the leadership is given up and the state reloaded.
+    WriteFailed,
+}
+
+/// Waits until this replica holds the leadership, or `None` once `stop` fires.
+async fn wait_to_lead(
+    engine: &Engine,
+    lock_name: &str,
+    spare: &mut Option<sqlx::PgConnection>,
+    retry: Duration,
+    stop: &CancellationToken,
+) -> Option<Writer> {
+    loop {
+        match engine.store.try_lead(lock_name, spare).await {
+            Ok(Some(writer)) => return Some(writer),
+            Ok(None) => engine.standby.store(true, Ordering::Release),
+            Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(retry) => {}
+            () = stop.cancelled() => return None,
+        }
+    }
+}
+
+/// One term of leadership: the live state, the leader's connection, and the replies that
+/// wait for the group being formed.
+struct Leader<'e> {
+    engine: &'e Engine,
+    core: Machine,
+    writer: Writer,
+    waiters: Vec<Waiter>,
+    next_tick: tokio::time::Instant,
+    ticks: u64,
+}
+
+impl Leader<'_> {
+    /// Applies ops and writes them in groups until the service stops or a write fails.
+    async fn run(
+        &mut self,
+        ops: &mut mpsc::Receiver<Op>,
+        stop: &CancellationToken,
+        outputs: &Outputs,
+    ) -> TermEnd {
+        loop {
+            if !self.wait_for_work(ops, stop).await {
+                return TermEnd::Stopped;
+            }
+            self.on_tick();
+            self.take_ready_ops(ops);
+            self.collect_published();
+            if !self.core.has_changes() && self.waiters.is_empty() {
+                if stop.is_cancelled() {
+                    return TermEnd::Stopped;
+                }
+                continue;
+            }
+            match self.write_group(ops, outputs).await {
+                Ok(GroupEnd::Continue) => {}
+                Ok(GroupEnd::ChannelClosed) => return TermEnd::Stopped,
+                Err(()) => return TermEnd::WriteFailed,
+            }
+            // On stop, what was applied meanwhile is still written before the term ends.
+        }
+    }
+
+    /// Waits for an op, a tick or the stop, unless there is something to write already (ops
+    /// applied while the last group was written are written at once). False when every
+    /// sender of ops is gone.
+    async fn wait_for_work(
+        &mut self,
+        ops: &mut mpsc::Receiver<Op>,
+        stop: &CancellationToken,
+    ) -> bool {
+        if !self.waiters.is_empty() || self.core.has_changes() {
+            return true;
+        }
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => true,
+            op = ops.recv() => match op {
+                Some(op) => {
+                    apply_op(&mut self.core, op, &mut self.waiters);
+                    true
+                }
+                None => false,
+            },
+            () = tokio::time::sleep_until(self.next_tick) => true,
+        }
+    }
+
+    /// Deadlines, lost planner requests and the pruning of old frame ids, when a tick is due.
+    fn on_tick(&mut self) {
+        if tokio::time::Instant::now() < self.next_tick {
+            return;
+        }
+        self.next_tick = tokio::time::Instant::now() + TICK;
+        self.ticks += 1;
+        let now = now_ms();
+        self.core.expire_due(now);
+        self.core.replan_stalled(now);
+        if self.ticks.is_multiple_of(PRUNE_EVERY_TICKS) {
+            self.core.prune_processed(now - PROCESSED_RETENTION_MS);
+        }
+    }
+
+    /// Applies the ops already waiting, up to the group's size limit.
+    fn take_ready_ops(&mut self, ops: &mut mpsc::Receiver<Op>) {
+        while self.core.changes() < self.engine.settings.max_batch {
+            match ops.try_recv() {
+                Ok(op) => apply_op(&mut self.core, op, &mut self.waiters),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// Outbox rows the sweeper published are deleted with the next group.
+    fn collect_published(&mut self) {
+        let published = self
+            .engine
+            .published
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default();
+        self.core.published(published);
+    }
+
+    /// Writes the open group in one transaction while applying the ops that arrive meanwhile
+    /// to the next one; then answers, publishes and plans, or (the write failed) fails every
+    /// reply of both groups.
+    async fn write_group(
+        &mut self,
+        ops: &mut mpsc::Receiver<Op>,
+        outputs: &Outputs,
+    ) -> Result<GroupEnd, ()> {
+        let mut pending = self.core.take();
+        let started = std::time::Instant::now();
+        let mut next_waiters: Vec<Waiter> = Vec::new();
+        let mut channel_closed = false;
+        let max_batch = self.engine.settings.max_batch;
+        let written = {
+            let write = self.writer.write(&pending.batch);
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    biased;
+                    written = &mut write => break written,
+                    op = ops.recv(), if !channel_closed && self.core.changes() < max_batch => {
+                        match op {
+                            Some(op) => apply_op(&mut self.core, op, &mut next_waiters),
+                            None => channel_closed = true,
+                        }
+                    }
+                }
+            }
+        };
+        tracing::debug!(
+            replies = self.waiters.len(),
+            tasks = pending.batch.tasks.len(),
+            events = pending.batch.events.len(),
+            frames = pending.batch.outbox.len(),
+            applied_meanwhile = next_waiters.len(),
+            write_us = started.elapsed().as_micros() as u64,
+            "batch written"
+        );
+        if let Err(e) = written {
+            tracing::error!(
+                "a batch of changes could not be written, giving up the leadership: {e}"
+            );
+            // The group applied meanwhile built on this one: it fails too.
+            let error = e.to_string();
+            for waiter in self.waiters.drain(..).chain(next_waiters) {
+                waiter.fail(&error);
+            }
+            return Err(());
+        }
+        self.core.committed(&pending);
+        for waiter in std::mem::replace(&mut self.waiters, next_waiters) {
+            waiter.succeed();
+        }
+        let frames = std::mem::take(&mut pending.batch.outbox);
+        if !frames.is_empty() && outputs.frames.send(frames).await.is_err() {
+            return Ok(GroupEnd::ChannelClosed);
+        }
+        for plan in pending.plans.drain(..) {
+            if outputs.plans.try_send(plan).is_err() {
+                tracing::warn!("planning queue full; the task is planned again later");
+            }
+        }
+        Ok(if channel_closed {
+            GroupEnd::ChannelClosed
+        } else {
+            GroupEnd::Continue
+        })
+    }
+}
+
+/// What follows a committed group.
+enum GroupEnd {
+    /// More groups.
+    Continue,
+    /// Every sender of ops is gone (or the publisher): the term ends.
+    ChannelClosed,
 }
 
 /// Applies one op to the core and keeps its reply for after the commit.
@@ -933,6 +1147,9 @@ pub fn sanitize_task_name(name: Option<&str>) -> String {
     }
 }
 
+/// What a task name must be, as UFO's server says when it refuses one.
+pub const TASK_NAME_RULE: &str = "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'";
+
 /// Whether a task name is acceptable over HTTP (UFO refuses, rather than cleans, bad ones).
 pub fn valid_task_name(name: &str) -> bool {
     !name.is_empty()
@@ -945,6 +1162,25 @@ pub fn valid_task_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_consumer_holding_frames_without_acking_any_is_stalled() {
+        let progress = FramesProgress::default();
+        let later = now_ms() + 31_000;
+        assert_eq!(progress.stalled(later), None, "an idle consumer is fine");
+        progress.received();
+        progress.received();
+        assert!(progress.stalled(now_ms()).is_none(), "not yet");
+        let why = progress.stalled(later).expect("stalled");
+        assert!(why.starts_with("2 frames held"), "{why}");
+        progress.released();
+        assert!(
+            progress.stalled(later).is_some(),
+            "a frame handed back is no progress"
+        );
+        progress.acked();
+        assert_eq!(progress.stalled(later), None, "nothing held any more");
+    }
 
     #[test]
     fn task_names_follow_ufos_rules() {

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use aip_runtime::api_error::{ApiError, JsonBody, Path, Query};
 use aip_runtime::api_keys::{self, ApiKeys};
+use aip_runtime::health::{self, Check, CheckName, Probes, Readiness, Role};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -31,7 +32,9 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::engine::{Engine, EngineError, NewTask, Placement, Plan, Requester, valid_task_name};
+use crate::engine::{
+    Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
+};
 use crate::store::{ListFilter, StoreError};
 use crate::workers::new_task_from_request;
 
@@ -77,28 +80,35 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
     Router::new()
         .merge(api)
         .route("/openapi.json", get(move || async move { Json(document) }))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(health::healthz))
         .route("/readyz", get(ready))
         .with_state(engine)
 }
 
-async fn ready(State(engine): State<Engine>) -> Response {
-    if !engine.is_leading() {
-        let why = if engine.is_standby() {
-            "standby: another replica leads (this one serves reads and takes over when the leader goes)"
-        } else {
-            "starting: this replica has not taken the leadership yet"
-        };
-        return (StatusCode::SERVICE_UNAVAILABLE, why).into_response();
+/// `/readyz`: the bus and the database answer, and this replica leads (a standby serves reads
+/// but takes no changes, so a load balancer should not send it any).
+async fn ready(State(engine): State<Engine>) -> Readiness {
+    let role = if engine.is_leading() {
+        Role::Leader
+    } else if engine.is_standby() {
+        Role::Standby
+    } else {
+        Role::Starting
+    };
+    let readiness = Probes::new()
+        .bus(engine.bus().clone())
+        .database(engine.store.database().clone())
+        .check()
+        .await
+        .with_role(role);
+    if role != Role::Leader {
+        return readiness;
     }
-    match engine.store.database().ping().await {
-        Ok(()) => "ready".into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("database unavailable: {e}"),
-        )
-            .into_response(),
-    }
+    let frames = match engine.frames.stalled(crate::task::now_ms()) {
+        None => Check::ok(),
+        Some(why) => Check::failed(why),
+    };
+    readiness.with_check(CheckName::Frames, frames)
 }
 
 /// The 404 of the routes about one task.
@@ -267,11 +277,13 @@ async fn list_tasks(
     State(engine): State<Engine>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<TaskPage>, ApiError> {
-    if let Some(state) = &q.state
-        && TaskState::from_wire(state).is_none()
-    {
-        return Err(ApiError::invalid(format!("unknown state {state:?}")));
-    }
+    let state = match &q.state {
+        None => None,
+        Some(state) => Some(
+            TaskState::from_wire(state)
+                .ok_or_else(|| ApiError::invalid(format!("unknown state {state:?}")))?,
+        ),
+    };
     let cursor = match &q.cursor {
         None => None,
         Some(c) => Some(
@@ -292,7 +304,7 @@ async fn list_tasks(
         }));
     }
     let filter = ListFilter {
-        state: q.state,
+        state,
         executor: q.executor,
         requester: q.requester,
         task_name: q.task_name,
@@ -816,9 +828,7 @@ async fn ufo_dispatch(
         None => None,
         Some(Value::String(name)) if valid_task_name(name) => Some(name.clone()),
         Some(_) => {
-            return Err(ApiError::invalid(
-                "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'",
-            ));
+            return Err(ApiError::invalid(TASK_NAME_RULE));
         }
     };
     let plan =
@@ -829,17 +839,14 @@ async fn ufo_dispatch(
             None => Plan::Remote,
         };
     let new = NewTask {
-        task_id: None,
         task_name,
-        request,
-        data: None,
-        requester: Requester::Rest("dispatch".to_owned()),
-        placement: Placement::Target(client_id.clone()),
-        plan,
-        priority: 0,
-        callback_url: None,
-        timeout_secs: None,
         ufo_dispatch: true,
+        ..NewTask::new(
+            request,
+            Requester::Rest("dispatch".to_owned()),
+            Placement::Target(client_id.clone()),
+            plan,
+        )
     };
     let started = engine.submit(new).await.map_err(|e| match e {
         EngineError::Refused(body) if body.error_code == ErrorCode::DeviceNotFound => {
@@ -894,9 +901,7 @@ async fn ufo_task_result(
     Path(task_name): Path<String>,
 ) -> Result<Json<UfoTaskResult>, ApiError> {
     if !valid_task_name(&task_name) {
-        return Err(ApiError::invalid(
-            "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.'",
-        ));
+        return Err(ApiError::invalid(TASK_NAME_RULE));
     }
     let task = engine
         .store
@@ -908,10 +913,10 @@ async fn ufo_task_result(
         return Ok(Json(UfoTaskResult::Pending));
     }
     Ok(Json(UfoTaskResult::Done {
-        result: task.result.map(|r| r.0),
+        result: task.result,
         state,
         session_id: task.task_id,
-        error: task.error,
+        error: task.error.map(|e| e.detail),
     }))
 }
 

@@ -18,6 +18,7 @@ pub mod http;
 pub mod machine;
 pub mod settings;
 pub mod store;
+pub mod task;
 pub mod workers;
 
 use std::net::SocketAddr;
@@ -25,40 +26,20 @@ use std::time::Duration;
 
 use aip_bus::SharedBus;
 use aip_runtime::api_keys::ApiKeys;
+use aip_runtime::listener::{Listening, ServiceListener};
+use aip_runtime::runner::{self, Shutdown};
+use aip_runtime::service::{ServiceName, ServiceSettings};
 use aip_store::Database;
-use proto_schemas::Subjects;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use aip_runtime::StartError;
 pub use engine::Engine;
 pub use settings::{SessionSettings, Settings};
 
-/// Why the service could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    /// Bad configuration.
-    #[error("{0}")]
-    Config(String),
-    /// The database could not be migrated.
-    #[error(transparent)]
-    Database(#[from] aip_store::DatabaseError),
-    /// The frames stream could not be created.
-    #[error("cannot create the frames stream: {0}")]
-    Bus(#[from] aip_bus::BusError),
-    /// The listener could not bind.
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// The cause.
-        source: std::io::Error,
-    },
-}
-
 /// A session service, bound and ready.
 pub struct Application {
-    listener: TcpListener,
+    listener: ServiceListener,
     engine: Engine,
     settings: Settings,
     applier: engine::Applier,
@@ -71,33 +52,33 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        let subjects = Subjects::new(&settings.subject_prefix)
-            .map_err(|e| StartError::Config(e.to_string()))?;
-        let listen = settings.sessions.listen;
-        if settings.sessions.api_keys.is_empty()
-            && !listen.ip().is_loopback()
-            && !settings.sessions.allow_no_auth
-        {
-            return Err(StartError::Config(format!(
-                "refusing to serve the REST API on {listen} without API keys: set sessions.api_keys \
-                 (AIP_SESSIONS__API_KEYS), or sessions.allow_no_auth = true for a trusted network"
-            )));
-        }
-        if settings.sessions.max_tasks_per_agent < 1 {
-            return Err(StartError::Config(
-                "sessions.max_tasks_per_agent must be at least 1".into(),
-            ));
-        }
+        Self::assemble(settings, bus, db, Listening::Own).await
+    }
+
+    /// As [`Application::build`], without a listener of its own: the caller serves
+    /// [`Application::router`] (`aip dev` on its one address).
+    pub async fn build_embedded(
+        settings: Settings,
+        bus: SharedBus,
+        db: Database,
+    ) -> Result<Self, StartError> {
+        Self::assemble(settings, bus, db, Listening::Embedded).await
+    }
+
+    async fn assemble(
+        settings: Settings,
+        bus: SharedBus,
+        db: Database,
+        listening: Listening,
+    ) -> Result<Self, StartError> {
+        let subjects = settings.validate()?;
         db.migrate().await?;
         let store = store::TaskStore::new(db);
         let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
         workers::ensure_frames_stream(&engine).await?;
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: listen,
-                source,
-            })?;
+        let listener =
+            ServiceListener::open(ServiceName::Sessions, settings.sessions.listen, listening)
+                .await?;
         Ok(Application {
             listener,
             engine,
@@ -106,11 +87,9 @@ impl Application {
         })
     }
 
-    /// The bound address.
+    /// The bound address; embedded, the configured address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .unwrap_or(self.settings.sessions.listen)
+        self.listener.local_addr()
     }
 
     /// The engine (for embedding).
@@ -166,8 +145,9 @@ impl Application {
         tracing::info!(%addr, "session service listening");
         let app = http::router(engine, ApiKeys::new(&s.api_keys));
         let token = stop.clone();
-        let served = axum::serve(aip_runtime::nodelay(self.listener), app)
-            .with_graceful_shutdown(async move {
+        let served = self
+            .listener
+            .serve(app, async move {
                 shutdown.await;
                 token.cancel();
             })
@@ -184,5 +164,23 @@ impl Application {
             tracing::warn!("the applier did not stop within the grace period");
         }
         served
+    }
+}
+
+impl runner::Service for Application {
+    type Settings = Settings;
+    type RunError = std::io::Error;
+
+    async fn start(
+        settings: Settings,
+        bus: SharedBus,
+        database: Option<Database>,
+    ) -> Result<Self, StartError> {
+        let database = runner::require_database(ServiceName::Sessions, database)?;
+        Application::build(settings, bus, database).await
+    }
+
+    async fn run_until(self, shutdown: Shutdown) -> std::io::Result<()> {
+        Application::run_until(self, shutdown).await
     }
 }

@@ -18,41 +18,16 @@ use proto_schemas::registry::AgentRecord;
 use proto_schemas::server::{self, CommandTarget};
 use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep, TaskState};
 use proto_schemas::{
-    ActionResult, ClientMessageType, ClientType, Command, ErrorBody, ErrorCode, Extension,
-    Platform, ServerMessage, Subjects, TaskStatus, V1,
+    ActionResult, ClientMessageType, Command, ErrorBody, ErrorCode, Extension, ServerMessage,
+    Subjects, TaskStatus, V1,
 };
 use serde_json::{Value, json};
-use sqlx::types::Json;
 
 use crate::settings::SessionSettings;
-use crate::store::{Batch, NewEvent, OutFrame, TaskRow, now_ms};
-
-/// Who asked for a task.
-#[derive(Debug, Clone)]
-pub enum Requester {
-    /// A WebSocket client (constellation or device).
-    Client {
-        /// Its id.
-        id: String,
-        /// Its type.
-        client_type: ClientType,
-    },
-    /// A REST caller.
-    Rest(String),
-    /// A NATS client.
-    Nats(String),
-}
-
-/// How the steps of a task are decided.
-#[derive(Debug, Clone)]
-pub enum Plan {
-    /// The steps are carried by the task.
-    Scripted(Vec<Vec<Command>>),
-    /// The remote planner decides each step.
-    Remote,
-    /// The requester sends commands itself (REST) and ends the task.
-    Driver,
-}
+use crate::store::{Batch, NewEvent, OutFrame};
+use crate::task::{EventKind, ExecutorRef, InvalidTransition, Task, TaskError, Waiting, now_ms};
+pub use crate::task::{Plan, Requester};
+use crate::workers::PlannerError;
 
 /// Where a task should run.
 #[derive(Debug, Clone)]
@@ -90,10 +65,29 @@ pub struct NewTask {
     pub ufo_dispatch: bool,
 }
 
+impl NewTask {
+    /// A task with the defaults every transport shares: ids and name chosen by the service,
+    /// no data, priority 0, no callback, the service's timeout, not a UFO dispatch.
+    pub fn new(request: String, requester: Requester, placement: Placement, plan: Plan) -> Self {
+        NewTask {
+            task_id: None,
+            task_name: None,
+            request,
+            data: None,
+            requester,
+            placement,
+            plan,
+            priority: 0,
+            callback_url: None,
+            timeout_secs: None,
+            ufo_dispatch: false,
+        }
+    }
+}
+
 /// A task to start, with what was looked up for it before it reached the leader.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    /// The task.
     pub new: NewTask,
     /// Agents it may run on (one for an explicit target), from the registry.
     pub candidates: Vec<AgentRecord>,
@@ -120,10 +114,7 @@ pub enum Refusal {
     UnlessSeen(ErrorBody, String),
     /// The task is not live on this leader; the answer depends on the database (it ended,
     /// it never existed, or the frame was applied before it ended).
-    NotLive {
-        /// The task.
-        task_id: String,
-    },
+    NotLive { task_id: String },
 }
 
 impl Refusal {
@@ -132,9 +123,16 @@ impl Refusal {
     }
 }
 
-/// A live task's executor: how many of its tasks run, and which wait.
+impl From<InvalidTransition> for Refusal {
+    fn from(e: InvalidTransition) -> Self {
+        tracing::error!("{e}");
+        Refusal::now(ErrorCode::Internal, e.to_string())
+    }
+}
+
+/// An executor's share of the live tasks: how many of its tasks run, and which wait.
 #[derive(Debug, Default)]
-struct Executor {
+struct Load {
     running: i64,
     /// Highest priority first, then oldest.
     queued: BTreeSet<(Reverse<i32>, i64, String)>,
@@ -158,7 +156,10 @@ struct Tombstones {
     order: VecDeque<(i64, String)>,
 }
 
+/// How long an ended task's id stays reserved in memory: longer than a request takes from
+/// its preparation (which read the database) to the leader.
 const TOMBSTONE_MS: i64 = 120_000;
+/// Bounds the tombstones' memory under a very high task rate.
 const TOMBSTONE_MAX: usize = 200_000;
 
 impl Tombstones {
@@ -181,10 +182,10 @@ impl Tombstones {
 pub struct Machine {
     settings: SessionSettings,
     subjects: Subjects,
-    tasks: HashMap<String, TaskRow>,
+    tasks: HashMap<String, Task>,
     /// Client id → live tasks it takes part in (as a client requester or as executor).
     clients: HashMap<String, HashSet<String>>,
-    executors: HashMap<String, Executor>,
+    executors: HashMap<String, Load>,
     tombstones: Tombstones,
     /// Remote planning asked for: task → when.
     planning: HashMap<String, i64>,
@@ -195,7 +196,7 @@ pub struct Machine {
 
 impl Machine {
     /// The state of a new leader: every live task from the database.
-    pub fn new(settings: SessionSettings, subjects: Subjects, live: Vec<TaskRow>) -> Self {
+    pub fn new(settings: SessionSettings, subjects: Subjects, live: Vec<Task>) -> Self {
         let mut core = Machine {
             settings,
             subjects,
@@ -211,7 +212,7 @@ impl Machine {
         let mut unplanned = Vec::new();
         for task in live {
             core.index(&task);
-            if task.needs_plan {
+            if task.waiting == Waiting::Plan {
                 unplanned.push(task.task_id.clone());
             }
             core.tasks.insert(task.task_id.clone(), task);
@@ -219,10 +220,9 @@ impl Machine {
         // Steps a crash left unplanned (a scripted one is planned at once, a remote one
         // after the first commit).
         for id in unplanned {
-            let _ = core.with_task(&id, |core, task| {
-                core.plan(task);
-                Ok(())
-            });
+            if let Err(e) = core.with_task(&id, |core, task| core.plan(task)) {
+                tracing::error!(task = %id, "a step left unplanned by a crash stays unplanned: {e:?}");
+            }
         }
         core
     }
@@ -261,7 +261,8 @@ impl Machine {
             if self.tasks.get(id).is_some_and(|t| t.state().is_terminal())
                 && let Some(task) = self.tasks.remove(id)
             {
-                self.tombstones.add(task.task_id, task.requester_id, now);
+                let owner = task.requester.id().to_owned();
+                self.tombstones.add(task.task_id, owner, now);
             }
         }
     }
@@ -276,30 +277,29 @@ impl Machine {
         self.pending.batch.prune_processed_before = Some(before);
     }
 
-    fn index(&mut self, task: &TaskRow) {
-        if task.requester_kind == "client" {
+    fn index(&mut self, task: &Task) {
+        if let Some(requester) = task.requester.client_id() {
             self.clients
-                .entry(task.requester_id.clone())
+                .entry(requester.to_owned())
                 .or_default()
                 .insert(task.task_id.clone());
         }
-        if let Some(executor) = &task.executor_id {
-            self.clients
-                .entry(executor.clone())
-                .or_default()
-                .insert(task.task_id.clone());
-            let entry = self.executors.entry(executor.clone()).or_default();
-            match task.state() {
-                TaskState::Submitted => {
-                    entry.queued.insert((
-                        Reverse(task.priority),
-                        task.created_ms,
-                        task.task_id.clone(),
-                    ));
-                }
-                state if !state.is_terminal() => entry.running += 1,
-                _ => {}
+        let executor = &task.executor.id;
+        self.clients
+            .entry(executor.clone())
+            .or_default()
+            .insert(task.task_id.clone());
+        let entry = self.executors.entry(executor.clone()).or_default();
+        match task.state() {
+            TaskState::Submitted => {
+                entry.queued.insert((
+                    Reverse(task.priority),
+                    task.created_ms,
+                    task.task_id.clone(),
+                ));
             }
+            state if !state.is_terminal() => entry.running += 1,
+            _ => {}
         }
     }
 
@@ -318,26 +318,35 @@ impl Machine {
         }
     }
 
-    fn event(&mut self, task: &mut TaskRow, kind: &str, data: Option<Value>) -> i64 {
+    fn event(&mut self, task: &mut Task, kind: EventKind, data: Option<Value>) -> i64 {
         let seq = task.next_seq;
         task.next_seq += 1;
         self.pending.batch.events.push(NewEvent {
             task_id: task.task_id.clone(),
             seq,
             at_ms: now_ms(),
-            kind: kind.to_owned(),
-            state: task.state.clone(),
+            kind,
+            state: task.state(),
             data,
         });
         seq
     }
 
+    /// Queues a frame for the outbox. A frame that cannot be encoded is logged and not
+    /// sent (an empty payload would reach the client as garbage).
     fn send(&mut self, client_id: &str, frame: &ServerMessage) {
-        self.pending.batch.outbox.push(OutFrame {
-            msg_id: server::new_id(),
-            subject: self.subjects.deliver(client_id),
-            payload: serde_json::to_vec(frame).unwrap_or_default(),
-        });
+        match serde_json::to_vec(frame) {
+            Ok(payload) => self.pending.batch.outbox.push(OutFrame {
+                msg_id: server::new_id(),
+                subject: self.subjects.deliver(client_id),
+                payload,
+            }),
+            Err(e) => tracing::error!(
+                client = %client_id,
+                kind = %frame.kind,
+                "a frame could not be encoded and is not sent: {e}"
+            ),
+        }
     }
 
     fn applied(&mut self, msg_id: Option<&str>) {
@@ -346,11 +355,13 @@ impl Machine {
         }
     }
 
-    /// Runs `change` on a live task, then stores it back and marks it changed.
+    /// Runs `change` on a live task, then stores it back, marked changed when `change`
+    /// succeeded. A change checks before it changes anything: a refused change leaves the
+    /// task as it was.
     fn with_task<T>(
         &mut self,
         task_id: &str,
-        change: impl FnOnce(&mut Self, &mut TaskRow) -> Result<T, Refusal>,
+        change: impl FnOnce(&mut Self, &mut Task) -> Result<T, Refusal>,
     ) -> Result<T, Refusal> {
         let Some(mut task) = self.tasks.remove(task_id) else {
             return Err(Refusal::NotLive {
@@ -366,11 +377,24 @@ impl Machine {
         result
     }
 
+    /// Like [`Machine::with_task`] for changes the service makes itself (a deadline, a
+    /// release, a disconnect): a refusal there is a bug, logged.
+    fn change_internally(
+        &mut self,
+        task_id: &str,
+        why: &str,
+        change: impl FnOnce(&mut Self, &mut Task) -> Result<(), Refusal>,
+    ) {
+        if let Err(refusal) = self.with_task(task_id, change) {
+            tracing::error!(task = %task_id, "{why}: not applied: {refusal:?}");
+        }
+    }
+
     // ----- starting tasks -----
 
     /// Starts a task: records it, dispatches it if its executor has room (or queues it),
     /// and acknowledges a client requester.
-    pub fn submit(&mut self, prepared: Prepared, msg_id: Option<&str>) -> Result<TaskRow, Refusal> {
+    pub fn submit(&mut self, prepared: Prepared, msg_id: Option<&str>) -> Result<Task, Refusal> {
         let Prepared {
             new,
             candidates,
@@ -380,12 +404,11 @@ impl Machine {
             let owner = self
                 .tasks
                 .get(task_id)
-                .map(|t| t.requester_id.clone())
+                .map(|t| t.requester.id().to_owned())
                 .or_else(|| self.tombstones.owners.get(task_id).cloned())
                 .or(existing_owner);
             if let Some(owner) = owner {
-                let requester_id = requester_parts(&new.requester).1;
-                let detail = if owner == requester_id {
+                let detail = if owner == new.requester.id() {
                     format!("session_id '{task_id}' is already in use by one of your tasks")
                 } else {
                     format!("session_id '{task_id}' is owned by another client")
@@ -414,40 +437,30 @@ impl Machine {
             .min(self.settings.task_timeout_secs);
         let task_deadline =
             now + i64::try_from(timeout.saturating_mul(1000)).unwrap_or(i64::MAX / 2);
-        let (requester_kind, requester_id, requester_type) = requester_parts(&new.requester);
-        let (planner, steps) = match &new.plan {
-            Plan::Scripted(steps) => ("scripted", Some(Json(steps.clone()))),
-            Plan::Remote => ("remote", None),
-            Plan::Driver => ("driver", None),
-        };
-        let capabilities = match &new.placement {
+        let required_capabilities = match &new.placement {
             Placement::Capabilities(c) => c.clone(),
             Placement::Target(_) => Vec::new(),
         };
-        let mut task = TaskRow {
+        let mut task = Task {
             task_id: new.task_id.clone().unwrap_or_else(server::new_id),
             task_name: new.task_name.clone().unwrap_or_else(server::new_id),
-            state: TaskState::Submitted.as_str().to_owned(),
+            state: TaskState::Submitted,
             request: new.request.clone(),
-            data: new.data.clone().map(Json),
-            requester_kind: requester_kind.to_owned(),
-            requester_id,
-            requester_type,
-            executor_id: Some(executor.agent_id.clone()),
-            executor_platform: Some(executor.platform.as_str().to_owned()),
-            required_capabilities: Json(capabilities),
-            planner: planner.to_owned(),
-            steps,
+            data: new.data.clone(),
+            requester: new.requester.clone(),
+            executor: ExecutorRef {
+                id: executor.agent_id.clone(),
+                platform: executor.platform,
+            },
+            required_capabilities,
+            plan: new.plan.clone(),
             step: 0,
-            pending_response_id: None,
-            needs_plan: false,
+            waiting: Waiting::Nothing,
             ufo_dispatch: new.ufo_dispatch,
-            awaiting_echo: false,
-            history: Json(Vec::new()),
+            history: Vec::new(),
             priority: new.priority,
             result: None,
             error: None,
-            error_code: None,
             callback_url: new.callback_url.clone(),
             task_deadline_ms: task_deadline,
             deadline_ms: task_deadline,
@@ -456,14 +469,18 @@ impl Machine {
             next_seq: 1,
         };
         self.applied(msg_id);
-        let data = json!({ "requester": task.view().requester, "executor_id": executor.agent_id, "planner": planner });
-        self.event(&mut task, "submitted", Some(data));
+        let data = json!({
+            "requester": task.requester.display(),
+            "executor_id": executor.agent_id,
+            "planner": task.plan.kind().as_str(),
+        });
+        self.event(&mut task, EventKind::Submitted, Some(data));
         self.index(&task);
         let task_id = task.task_id.clone();
         self.tasks.insert(task_id.clone(), task);
         self.touch(&task_id);
-        if let Requester::Client { id, .. } = &new.requester {
-            self.send(id, &server::task_accepted(&task_id));
+        if let Some(client) = new.requester.client_id() {
+            self.send(client, &server::task_accepted(&task_id));
         }
         self.release(&executor.agent_id);
         self.tasks.get(&task_id).cloned().ok_or_else(|| {
@@ -517,9 +534,8 @@ impl Machine {
                 return;
             };
             entry.running += 1;
-            let _ = self.with_task(&next, |core, task| {
-                core.dispatch(task);
-                Ok(())
+            self.change_internally(&next, "dispatching a queued task", |core, task| {
+                core.dispatch(task)
             });
         }
     }
@@ -527,33 +543,37 @@ impl Machine {
     /// Submitted → dispatched: a UFO dispatch sends the server `task` frame and waits for the
     /// echo; a scripted task gets its first step at once; a remote one is planned after
     /// commit. (The caller has counted the task as running.)
-    fn dispatch(&mut self, task: &mut TaskRow) {
-        task.state = TaskState::Dispatched.as_str().to_owned();
+    fn dispatch(&mut self, task: &mut Task) -> Result<(), Refusal> {
+        task.enter(TaskState::Dispatched)?;
         task.updated_ms = now_ms();
-        let executor = task.executor_id.clone().unwrap_or_default();
+        let executor = task.executor.id.clone();
         if task.ufo_dispatch {
-            task.awaiting_echo = true;
+            task.waiting = Waiting::Echo;
             let frame = server::dispatch_task(&task.request, &task.task_name, &task.task_id);
             self.send(&executor, &frame);
-        } else if task.planner != "driver" {
-            task.needs_plan = true;
+        } else if task.plan != Plan::Driver {
+            task.waiting = Waiting::Plan;
         }
-        self.event(task, "dispatched", Some(json!({ "executor_id": executor })));
-        if task.needs_plan {
-            self.plan(task);
+        self.event(
+            task,
+            EventKind::Dispatched,
+            Some(json!({ "executor_id": executor })),
+        );
+        if task.waiting == Waiting::Plan {
+            self.plan(task)?;
         }
+        Ok(())
     }
 
     // ----- planning -----
 
     /// Plans the next step of a task that needs one: a scripted step at once, a remote one
     /// after commit.
-    fn plan(&mut self, task: &mut TaskRow) {
-        match task.planner.as_str() {
-            "scripted" => {
+    fn plan(&mut self, task: &mut Task) -> Result<(), Refusal> {
+        match &task.plan {
+            Plan::Scripted(steps) => {
                 let step = usize::try_from(task.step).unwrap_or(0);
-                let next = task.steps.as_ref().and_then(|s| s.0.get(step).cloned());
-                let decision = match next {
+                let decision = match steps.get(step).cloned() {
                     Some(actions) => PlanStep::Commands {
                         actions,
                         agent_name: None,
@@ -562,80 +582,94 @@ impl Machine {
                     },
                     None => PlanStep::Complete { result: None },
                 };
-                self.apply_plan(task, decision);
+                self.apply_plan(task, Ok(decision))
             }
-            "remote" => {
+            Plan::Remote => {
                 self.pending.plans.push(plan_request(task));
                 self.planning.insert(task.task_id.clone(), now_ms());
+                Ok(())
             }
-            _ => {}
+            Plan::Driver => Ok(()),
         }
     }
 
     /// The remote planner's answer for `step` of a task; ignored if the task moved on.
-    pub fn planned(&mut self, task_id: &str, step: i32, decision: PlanStep) {
-        let _ = self.with_task(task_id, |core, task| {
-            if !task.needs_plan || task.step != step || task.state().is_terminal() {
-                return Err(Refusal::NotLive {
-                    task_id: String::new(),
-                });
-            }
+    pub fn planned(&mut self, task_id: &str, step: i32, decision: Result<PlanStep, PlannerError>) {
+        let awaited = self.tasks.get(task_id).is_some_and(|t| {
+            t.waiting == Waiting::Plan && t.step == step && !t.state().is_terminal()
+        });
+        if !awaited {
+            return;
+        }
+        self.change_internally(task_id, "applying a plan", |core, task| {
             core.planning.remove(&task.task_id);
-            core.apply_plan(task, decision);
-            Ok(())
+            core.apply_plan(task, decision)
         });
     }
 
-    fn apply_plan(&mut self, task: &mut TaskRow, decision: PlanStep) {
+    fn apply_plan(
+        &mut self,
+        task: &mut Task,
+        decision: Result<PlanStep, PlannerError>,
+    ) -> Result<(), Refusal> {
         match decision {
-            step @ PlanStep::Commands { .. } => {
-                self.apply_commands(task, step);
-            }
-            PlanStep::Complete { result } => {
-                let result = result.unwrap_or_else(|| Value::Array(task.history.0.clone()));
-                self.finish(task, TaskState::Completed, Some(result), None);
-            }
-            PlanStep::Fail { error } => {
-                let code = if error.starts_with("no planner") {
-                    ErrorCode::Unavailable
-                } else {
-                    ErrorCode::CommandFailed
+            Ok(PlanStep::Commands {
+                actions,
+                agent_name,
+                process_name,
+                root_name,
+            }) => {
+                let step = CommandStep {
+                    actions,
+                    agent_name,
+                    process_name,
+                    root_name,
                 };
-                self.finish(task, TaskState::Failed, None, Some((code, error)));
+                self.apply_commands(task, step).map(|_| ())
+            }
+            Ok(PlanStep::Complete { result }) => {
+                let result = result.unwrap_or_else(|| Value::Array(task.history.clone()));
+                self.finish(task, TaskState::Completed, Some(result), None)
+            }
+            Ok(PlanStep::Fail { error }) => {
+                let error = TaskError::new(ErrorCode::CommandFailed, error);
+                self.finish(task, TaskState::Failed, None, Some(error))
+            }
+            Err(e) => {
+                let error = TaskError::new(e.code(), e.to_string());
+                self.finish(task, TaskState::Failed, None, Some(error))
             }
         }
     }
 
     /// Sends one step's commands: a `command` frame with a fresh `response_id`, now pending;
     /// the command's deadline starts. Returns the `response_id` and the event's sequence.
-    fn apply_commands(&mut self, task: &mut TaskRow, step: PlanStep) -> (String, i64) {
-        let PlanStep::Commands {
-            actions,
-            agent_name,
-            process_name,
-            root_name,
-        } = step
-        else {
-            return (String::new(), 0);
-        };
-        let executor = task.executor_id.clone().unwrap_or_default();
-        let platform = task
-            .executor_platform
-            .as_deref()
-            .and_then(Platform::from_wire)
-            .unwrap_or(Platform::Windows);
+    fn apply_commands(
+        &mut self,
+        task: &mut Task,
+        step: CommandStep,
+    ) -> Result<(String, i64), Refusal> {
+        task.enter(TaskState::Working)?;
+        let executor = task.executor.id.clone();
         let target = CommandTarget {
             session_id: task.task_id.clone(),
             task_name: Some(task.task_name.clone()),
-            agent_name: agent_name.unwrap_or_else(|| platform.default_agent_name().to_owned()),
-            process_name,
-            root_name,
+            agent_name: step
+                .agent_name
+                .unwrap_or_else(|| task.executor.platform.default_agent_name().to_owned()),
+            process_name: step.process_name,
+            root_name: step.root_name,
         };
         let response_id = server::new_id();
-        let frame = server::command(&target, actions, TaskStatus::Continue, response_id.clone());
-        task.pending_response_id = Some(response_id.clone());
-        task.needs_plan = false;
-        task.state = TaskState::Working.as_str().to_owned();
+        let frame = server::command(
+            &target,
+            step.actions,
+            TaskStatus::Continue,
+            response_id.clone(),
+        );
+        task.waiting = Waiting::Results {
+            response_id: response_id.clone(),
+        };
         let now = now_ms();
         task.updated_ms = now;
         let command_deadline =
@@ -643,19 +677,22 @@ impl Machine {
         task.deadline_ms = task.task_deadline_ms.min(command_deadline);
         let data =
             json!({ "step": task.step, "response_id": response_id, "actions": frame.actions });
-        let seq = self.event(task, "command_sent", Some(data));
+        let seq = self.event(task, EventKind::CommandSent, Some(data));
         self.send(&executor, &frame);
-        (response_id, seq)
+        Ok((response_id, seq))
     }
 
     /// Tasks whose remote planning was asked for long ago without an answer (a lost request),
     /// asked again.
     pub fn replan_stalled(&mut self, now: i64) {
-        let wait = i64::try_from(self.settings.planner_timeout_ms).unwrap_or(30_000) + 5_000;
+        let wait =
+            i64::try_from(self.settings.planner_timeout_ms).unwrap_or(30_000) + REPLAN_MARGIN_MS;
         let stalled: Vec<PlanRequest> = self
             .tasks
             .values()
-            .filter(|t| t.needs_plan && t.planner == "remote" && !t.state().is_terminal())
+            .filter(|t| {
+                t.waiting == Waiting::Plan && t.plan == Plan::Remote && !t.state().is_terminal()
+            })
             .filter(|t| {
                 self.planning
                     .get(&t.task_id)
@@ -714,10 +751,10 @@ impl Machine {
             .iter()
             .filter_map(|id| self.tasks.get(id))
             .filter(|t| {
-                t.awaiting_echo
+                t.waiting == Waiting::Echo
                     && t.task_name == task_name
-                    && t.executor_id.as_deref() == Some(client.as_str())
-                    && matches!(t.state(), TaskState::Submitted | TaskState::Dispatched)
+                    && t.executor.id == *client
+                    && t.state() == TaskState::Dispatched
             })
             .min_by_key(|t| (t.created_ms, t.task_id.clone()))
             .map(|t| t.task_id.clone());
@@ -725,23 +762,27 @@ impl Machine {
             return false;
         };
         let client = client.clone();
-        self.applied(Some(msg_id));
-        self.with_task(&task_id, |core, task| {
-            task.awaiting_echo = false;
-            task.needs_plan = true;
-            task.state = TaskState::Working.as_str().to_owned();
+        let echoed = self.with_task(&task_id, |core, task| {
+            task.enter(TaskState::Working)?;
+            task.waiting = Waiting::Plan;
             task.updated_ms = now_ms();
-            core.event(task, "echoed", Some(json!({ "client_id": client })));
+            core.event(
+                task,
+                EventKind::Echoed,
+                Some(json!({ "client_id": client })),
+            );
             core.send(&client, &server::task_accepted(&task.task_id));
-            core.plan(task);
-            Ok(())
-        })
-        .is_ok()
+            core.plan(task)
+        });
+        if echoed.is_ok() {
+            self.applied(Some(msg_id));
+        }
+        echoed.is_ok()
     }
 
     /// Checks that a frame's sender is the executor of a live session.
-    fn check_executor(task: &TaskRow, inbound: &InboundFrame) -> Result<(), Refusal> {
-        if task.executor_id.as_deref() != Some(inbound.client_id.as_str()) {
+    fn check_executor(task: &Task, inbound: &InboundFrame) -> Result<(), Refusal> {
+        if task.executor.id != inbound.client_id {
             let session = &task.task_id;
             return Err(Refusal::now(
                 ErrorCode::Forbidden,
@@ -760,30 +801,34 @@ impl Machine {
         self.with_task(&session, |core, task| {
             Self::check_executor(task, inbound)?;
             let answered = frame.prev_response_id.as_deref();
-            if task.pending_response_id.as_deref() != answered {
+            let awaited = task.waiting.response_id();
+            if awaited.is_none() || awaited != answered {
                 let body = ErrorBody::new(
                     ErrorCode::ProtocolError,
                     format!(
                         "command_results answer `{}`, but session '{session}' is waiting for `{}`",
                         answered.unwrap_or(""),
-                        task.pending_response_id.as_deref().unwrap_or("nothing")
+                        awaited.unwrap_or("nothing")
                     ),
                 );
                 return Err(Refusal::UnlessSeen(body, msg_id.to_owned()));
             }
+            task.enter(TaskState::Working)?;
             core.applied(Some(msg_id));
             let results = frame.action_results.clone().unwrap_or_default();
             let entry = json!({ "step": task.step, "response_id": answered, "status": frame.status, "results": results });
-            task.history.0.push(entry.clone());
+            task.history.push(entry.clone());
             task.step += 1;
-            task.pending_response_id = None;
-            task.needs_plan = task.planner != "driver";
-            task.state = TaskState::Working.as_str().to_owned();
+            task.waiting = if task.plan == Plan::Driver {
+                Waiting::Nothing
+            } else {
+                Waiting::Plan
+            };
             task.deadline_ms = task.task_deadline_ms;
             task.updated_ms = now_ms();
-            core.event(task, "results_received", Some(entry));
-            if task.needs_plan {
-                core.plan(task);
+            core.event(task, EventKind::ResultsReceived, Some(entry));
+            if task.waiting == Waiting::Plan {
+                core.plan(task)?;
             }
             Ok(())
         })
@@ -802,7 +847,7 @@ impl Machine {
             Self::check_executor(task, inbound)?;
             core.applied(Some(msg_id));
             if frame.status == TaskStatus::Completed {
-                core.finish(task, TaskState::Completed, frame.result.clone(), None);
+                core.finish(task, TaskState::Completed, frame.result.clone(), None)
             } else {
                 let error = frame
                     .error
@@ -812,10 +857,9 @@ impl Machine {
                     task,
                     TaskState::Failed,
                     frame.result.clone(),
-                    Some((ErrorCode::CommandFailed, error)),
-                );
+                    Some(TaskError::new(ErrorCode::CommandFailed, error)),
+                )
             }
-            Ok(())
         })
     }
 
@@ -831,39 +875,32 @@ impl Machine {
                 .map(|t| (t.created_ms, t.task_id.clone()))
         });
         for id in ids {
-            let _ = self.with_task(&id, |core, task| {
-                if task.state().is_terminal() {
-                    return Err(Refusal::NotLive {
-                        task_id: String::new(),
-                    });
-                }
-                if task.executor_id.as_deref() == Some(client_id) {
-                    let error = "Task was cancelled because target device disconnected".to_owned();
-                    core.finish(
-                        task,
-                        TaskState::Failed,
-                        None,
-                        Some((ErrorCode::ConnectionFailed, error)),
+            if self.tasks.get(&id).is_none_or(|t| t.state().is_terminal()) {
+                continue;
+            }
+            self.change_internally(&id, "ending a task of a closed connection", |core, task| {
+                if task.executor.id == client_id {
+                    let error = TaskError::new(
+                        ErrorCode::ConnectionFailed,
+                        "Task was cancelled because target device disconnected",
                     );
+                    core.finish(task, TaskState::Failed, None, Some(error))
                 } else {
-                    let error = format!(
-                        "Task was cancelled because its requester '{client_id}' disconnected"
+                    let error = TaskError::new(
+                        ErrorCode::TaskCanceled,
+                        format!(
+                            "Task was cancelled because its requester '{client_id}' disconnected"
+                        ),
                     );
-                    core.finish(
-                        task,
-                        TaskState::Canceled,
-                        None,
-                        Some((ErrorCode::TaskCanceled, error)),
-                    );
+                    core.finish(task, TaskState::Canceled, None, Some(error))
                 }
-                Ok(())
             });
         }
     }
 
     // ----- REST -----
 
-    fn live_check(task: &TaskRow) -> Result<(), Refusal> {
+    fn live_check(task: &Task) -> Result<(), Refusal> {
         if task.state().is_terminal() {
             return Err(Refusal::NotLive {
                 task_id: task.task_id.clone(),
@@ -872,14 +909,15 @@ impl Machine {
         Ok(())
     }
 
-    fn driven_check(task: &TaskRow) -> Result<(), Refusal> {
+    fn driven_check(task: &Task) -> Result<(), Refusal> {
         Self::live_check(task)?;
-        if task.planner != "driver" {
+        if task.plan != Plan::Driver {
             return Err(Refusal::now(
                 ErrorCode::Conflict,
                 format!(
                     "task '{}' is driven by its {} planner; submit it with \"driver\": true to drive it over REST",
-                    task.task_id, task.planner
+                    task.task_id,
+                    task.plan.kind().as_str()
                 ),
             ));
         }
@@ -891,7 +929,7 @@ impl Machine {
     pub fn send_commands(
         &mut self,
         task_id: &str,
-        step: PlanStep,
+        step: CommandStep,
     ) -> Result<(String, i64), Refusal> {
         self.with_task(task_id, |core, task| {
             Self::driven_check(task)?;
@@ -901,13 +939,13 @@ impl Machine {
                     format!("task '{task_id}' waits for its executor to be free"),
                 ));
             }
-            if let Some(pending) = &task.pending_response_id {
+            if let Some(pending) = task.waiting.response_id() {
                 return Err(Refusal::now(
                     ErrorCode::Conflict,
                     format!("task '{task_id}' still waits for the results of command `{pending}`"),
                 ));
             }
-            Ok(core.apply_commands(task, step))
+            core.apply_commands(task, step)
         })
     }
 
@@ -917,24 +955,27 @@ impl Machine {
         task_id: &str,
         result: Option<Value>,
         error: Option<String>,
-    ) -> Result<TaskRow, Refusal> {
+    ) -> Result<Task, Refusal> {
         let (state, error) = match error {
             None => (TaskState::Completed, None),
-            Some(e) => (TaskState::Failed, Some((ErrorCode::CommandFailed, e))),
+            Some(e) => (
+                TaskState::Failed,
+                Some(TaskError::new(ErrorCode::CommandFailed, e)),
+            ),
         };
         self.with_task(task_id, |core, task| {
             Self::driven_check(task)?;
-            core.finish(task, state, result, error);
+            core.finish(task, state, result, error)?;
             Ok(task.clone())
         })
     }
 
     /// Cancels a live task; the executor and a client requester are told.
-    pub fn cancel(&mut self, task_id: &str, reason: &str) -> Result<TaskRow, Refusal> {
+    pub fn cancel(&mut self, task_id: &str, reason: &str) -> Result<Task, Refusal> {
         self.with_task(task_id, |core, task| {
             Self::live_check(task)?;
-            let error = Some((ErrorCode::TaskCanceled, format!("canceled: {reason}")));
-            core.finish(task, TaskState::Canceled, None, error);
+            let error = TaskError::new(ErrorCode::TaskCanceled, format!("canceled: {reason}"));
+            core.finish(task, TaskState::Canceled, None, Some(error))?;
             Ok(task.clone())
         })
     }
@@ -947,10 +988,10 @@ impl Machine {
             .filter(|t| !t.state().is_terminal() && t.deadline_ms < now)
             .map(|t| t.task_id.clone())
             .collect();
+        let command_timeout = self.settings.command_timeout_secs;
         for id in due {
-            let command_timeout = self.settings.command_timeout_secs;
-            let _ = self.with_task(&id, |core, task| {
-                let error = if task.task_deadline_ms < now {
+            self.change_internally(&id, "expiring a task", |core, task| {
+                let detail = if task.task_deadline_ms < now {
                     format!(
                         "task timed out after {} s",
                         (task.task_deadline_ms - task.created_ms) / 1000
@@ -958,16 +999,11 @@ impl Machine {
                 } else {
                     format!(
                         "no results for command `{}` within {command_timeout} s",
-                        task.pending_response_id.as_deref().unwrap_or("?"),
+                        task.waiting.response_id().unwrap_or("?"),
                     )
                 };
-                core.finish(
-                    task,
-                    TaskState::Failed,
-                    None,
-                    Some((ErrorCode::TaskTimeout, error)),
-                );
-                Ok(())
+                let error = TaskError::new(ErrorCode::TaskTimeout, detail);
+                core.finish(task, TaskState::Failed, None, Some(error))
             });
         }
     }
@@ -978,24 +1014,25 @@ impl Machine {
     /// and to the executor, then the executor's next queued task.
     fn finish(
         &mut self,
-        task: &mut TaskRow,
+        task: &mut Task,
         state: TaskState,
         result: Option<Value>,
-        error: Option<(ErrorCode, String)>,
-    ) {
-        let was_running = !matches!(task.state(), TaskState::Submitted);
-        task.state = state.as_str().to_owned();
-        task.result = result.clone().map(Json);
-        task.pending_response_id = None;
-        task.needs_plan = false;
-        task.awaiting_echo = false;
+        error: Option<TaskError>,
+    ) -> Result<(), Refusal> {
+        let was_running = task.state() != TaskState::Submitted;
+        task.enter(state)?;
+        task.result = result.clone();
+        task.waiting = Waiting::Nothing;
         task.updated_ms = now_ms();
-        if let Some((code, text)) = &error {
-            task.error = Some(text.clone());
-            task.error_code = Some(code.as_str().to_owned());
+        if error.is_some() {
+            task.error = error;
         }
-        let data = json!({ "result": result, "error": task.error, "error_code": task.error_code });
-        self.event(task, state.as_str(), Some(data));
+        let data = json!({
+            "result": result,
+            "error": task.error.as_ref().map(|e| &e.detail),
+            "error_code": task.error.as_ref().map(|e| e.code.as_str()),
+        });
+        self.event(task, EventKind::Ended(state), Some(data));
         self.planning.remove(&task.task_id);
 
         let status = if state == TaskState::Completed {
@@ -1007,51 +1044,56 @@ impl Machine {
             &task.task_id,
             status,
             result,
-            task.error.clone(),
+            task.error.as_ref().map(|e| e.detail.clone()),
             &server::new_id(),
         );
-        let requester_client = (task.requester_kind == "client").then(|| task.requester_id.clone());
+        let requester_client = task.requester.client_id().map(str::to_owned);
         if let Some(requester) = &requester_client {
             self.send(requester, &frame);
             self.unindex_client(requester, &task.task_id);
         }
         self.pending.ended.push(task.task_id.clone());
-        if let Some(executor) = task.executor_id.clone() {
-            self.unindex_client(&executor, &task.task_id);
-            if was_running && requester_client.as_deref() != Some(executor.as_str()) {
-                self.send(&executor, &frame);
-            }
-            if let Some(entry) = self.executors.get_mut(&executor) {
-                if was_running {
-                    entry.running -= 1;
-                } else {
-                    entry.queued.remove(&(
-                        Reverse(task.priority),
-                        task.created_ms,
-                        task.task_id.clone(),
-                    ));
-                }
-            }
-            self.release(&executor);
+        let executor = task.executor.id.clone();
+        self.unindex_client(&executor, &task.task_id);
+        if was_running && requester_client.as_deref() != Some(executor.as_str()) {
+            self.send(&executor, &frame);
         }
+        if let Some(entry) = self.executors.get_mut(&executor) {
+            if was_running {
+                entry.running -= 1;
+            } else {
+                entry.queued.remove(&(
+                    Reverse(task.priority),
+                    task.created_ms,
+                    task.task_id.clone(),
+                ));
+            }
+        }
+        self.release(&executor);
+        Ok(())
     }
 }
 
-fn requester_parts(requester: &Requester) -> (&'static str, String, Option<String>) {
-    match requester {
-        Requester::Client { id, client_type } => {
-            ("client", id.clone(), Some(client_type.as_str().to_owned()))
-        }
-        Requester::Rest(id) => ("rest", id.clone(), None),
-        Requester::Nats(id) => ("nats", id.clone(), None),
-    }
+/// How much longer than the planner's own timeout a lost planning request waits before it is
+/// asked again (the answer may be on its way).
+const REPLAN_MARGIN_MS: i64 = 5_000;
+
+/// One step's commands, from a planner or a driver.
+#[derive(Debug, Clone)]
+pub struct CommandStep {
+    pub actions: Vec<Command>,
+    /// The UFO agent to run them (default: the platform's agent).
+    pub agent_name: Option<String>,
+    /// Passed through to the device.
+    pub process_name: Option<String>,
+    /// Passed through to the device.
+    pub root_name: Option<String>,
 }
 
 /// What the remote planner is asked about a task.
-fn plan_request(task: &TaskRow) -> PlanRequest {
+fn plan_request(task: &Task) -> PlanRequest {
     let last_results: Vec<ActionResult> = task
         .history
-        .0
         .last()
         .and_then(|h| h.get("results"))
         .and_then(|r| serde_json::from_value(r.clone()).ok())
@@ -1061,13 +1103,9 @@ fn plan_request(task: &TaskRow) -> PlanRequest {
         task_id: task.task_id.clone(),
         task_name: task.task_name.clone(),
         request: task.request.clone(),
-        data: task.data.as_ref().map(|d| d.0.clone()),
-        executor_id: task.executor_id.clone().unwrap_or_default(),
-        platform: task
-            .executor_platform
-            .as_deref()
-            .and_then(Platform::from_wire)
-            .unwrap_or(Platform::Windows),
+        data: task.data.clone(),
+        executor_id: task.executor.id.clone(),
+        platform: task.executor.platform,
         step: u32::try_from(task.step).unwrap_or(0),
         last_results,
     }
@@ -1077,6 +1115,7 @@ fn plan_request(task: &TaskRow) -> PlanRequest {
 mod tests {
     use super::*;
     use proto_schemas::registry::AgentStatus;
+    use proto_schemas::{ClientType, Platform};
 
     fn device(id: &str) -> AgentRecord {
         AgentRecord {
@@ -1139,14 +1178,15 @@ mod tests {
         let mut m = machine();
         let first = m.submit(task("a", "d", 0, 1), None).expect("a");
         assert_eq!(
-            first.state, "working",
+            first.state(),
+            TaskState::Working,
             "a scripted first step is sent at once"
         );
         m.submit(task("low", "d", 1, 1), None).expect("low");
         m.submit(task("high", "d", 5, 1), None).expect("high");
         commit(&mut m);
-        assert_eq!(m.tasks["low"].state, "submitted");
-        assert_eq!(m.tasks["high"].state, "submitted");
+        assert_eq!(m.tasks["low"].state(), TaskState::Submitted);
+        assert_eq!(m.tasks["high"].state(), TaskState::Submitted);
 
         m.cancel("a", "test").expect("cancel");
         let pending = commit(&mut m);
@@ -1155,10 +1195,11 @@ mod tests {
             "an ended task leaves memory once committed"
         );
         assert_eq!(
-            m.tasks["high"].state, "working",
+            m.tasks["high"].state(),
+            TaskState::Working,
             "the higher priority goes next"
         );
-        assert_eq!(m.tasks["low"].state, "submitted");
+        assert_eq!(m.tasks["low"].state(), TaskState::Submitted);
         let kinds: Vec<&str> = pending
             .batch
             .events
@@ -1182,7 +1223,7 @@ mod tests {
         );
         assert_eq!(pending.batch.tasks.len(), 1);
         assert_eq!(pending.batch.tasks[0].next_seq, 5);
-        assert_eq!(pending.batch.tasks[0].state, "canceled");
+        assert_eq!(pending.batch.tasks[0].state(), TaskState::Canceled);
     }
 
     #[test]
@@ -1233,7 +1274,8 @@ mod tests {
         reloaded.cancel("a", "x").expect("cancel");
         commit(&mut reloaded);
         assert_eq!(
-            reloaded.tasks["b"].state, "working",
+            reloaded.tasks["b"].state(),
+            TaskState::Working,
             "the queued task runs next"
         );
     }

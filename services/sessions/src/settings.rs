@@ -2,11 +2,16 @@
 
 use std::net::SocketAddr;
 
+use aip_runtime::service::{
+    Common, DEFAULT_DATABASE_URL, DEFAULT_NATS_URL, Exposure, Guard, ServiceName, ServiceSettings,
+    StartError,
+};
 use aip_runtime::telemetry::LogFormat;
 use serde::{Deserialize, Serialize};
 
-/// Everything the session service can be told. Environment: `AIP_SESSIONS__<FIELD>` for the
-/// `[sessions]` section, `AIP_<FIELD>` at the top.
+/// Everything the session service can be told: the settings every service shares (see
+/// [`aip_runtime::service`]) at the top, its own in `[sessions]`. Environment:
+/// `AIP_SESSIONS__<FIELD>` for the `[sessions]` section, `AIP_<FIELD>` at the top.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Settings {
@@ -16,9 +21,9 @@ pub struct Settings {
     pub database_url: String,
     /// Subject prefix shared by every service of one deployment.
     pub subject_prefix: String,
-    /// Log format.
+    /// `pretty` for a terminal, `json` for a log collector.
     pub log_format: LogFormat,
-    /// The session service's own settings.
+    /// The `[sessions]` section (`AIP_SESSIONS__…`).
     pub sessions: SessionSettings,
 }
 
@@ -61,8 +66,8 @@ pub struct SessionSettings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            nats_url: "nats://127.0.0.1:4222".to_owned(),
-            database_url: "postgres://postgres@127.0.0.1:5432/aip".to_owned(),
+            nats_url: DEFAULT_NATS_URL.to_owned(),
+            database_url: DEFAULT_DATABASE_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
             sessions: SessionSettings::default(),
@@ -87,5 +92,70 @@ impl Default for SessionSettings {
             standby_retry_ms: 1_000,
             shutdown_grace_ms: 10_000,
         }
+    }
+}
+
+impl ServiceSettings for Settings {
+    const SERVICE: ServiceName = ServiceName::Sessions;
+    const GUARD: Guard = Guard::ApiKeys;
+
+    fn common(&self) -> Common<'_> {
+        Common {
+            nats_url: &self.nats_url,
+            database_url: Some(&self.database_url),
+            subject_prefix: &self.subject_prefix,
+            log_format: self.log_format,
+        }
+    }
+
+    fn exposure(&self) -> Exposure {
+        Exposure {
+            listen: self.sessions.listen,
+            secured: !self.sessions.api_keys.is_empty(),
+            allow_no_auth: self.sessions.allow_no_auth,
+        }
+    }
+
+    fn check_own(&self) -> Result<(), StartError> {
+        if self.sessions.max_tasks_per_agent < 1 {
+            return Err(StartError::invalid(
+                ServiceName::Sessions,
+                "max_tasks_per_agent must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_variables_keep_their_names() {
+        let environment = [
+            ("AIP_DATABASE_URL", "sqlite://x.db"),
+            ("AIP_SESSIONS__LISTEN", "0.0.0.0:6002"),
+            ("AIP_SESSIONS__API_KEYS", "k1"),
+            ("AIP_SESSIONS__MAX_TASKS_PER_AGENT", "3"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let s: Settings =
+            aip_runtime::settings::load_from(None, environment.into()).expect("loads");
+        assert_eq!(s.database_url, "sqlite://x.db");
+        assert_eq!(s.sessions.listen, "0.0.0.0:6002".parse().expect("addr"));
+        assert_eq!(s.sessions.api_keys, ["k1"]);
+        assert_eq!(s.sessions.max_tasks_per_agent, 3);
+        s.validate().expect("keys on the network");
+    }
+
+    #[test]
+    fn an_open_api_on_the_network_is_refused() {
+        let mut s = Settings::default();
+        s.sessions.listen = "0.0.0.0:5002".parse().expect("addr");
+        let err = s.validate().expect_err("no keys on 0.0.0.0");
+        assert!(err.to_string().contains("AIP_SESSIONS__API_KEYS"), "{err}");
+        s.sessions.allow_no_auth = true;
+        s.validate().expect("explicitly allowed");
     }
 }

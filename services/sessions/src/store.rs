@@ -1,132 +1,515 @@
 //! The session service's tables, on PostgreSQL or SQLite.
 //!
-//! Every state change happens in one transaction ([`Tx`]) that locks the task row, appends
-//! its events with the next gap-free sequence numbers, records the frame that caused it (so a
-//! redelivered frame changes nothing twice) and queues the frames it sends in the outbox.
-//! SQL is written once with `$N` placeholders; for SQLite they become `?N`. On SQLite, writers
-//! are serialised by a process-wide lock (one process owns an embedded database).
+//! The leader writes every change of a group in one transaction ([`Writer::write`]): task rows,
+//! their events with gap-free sequence numbers, the ids of the frames applied (so a
+//! redelivered frame changes nothing twice) and the frames to send (the outbox). Reads run on
+//! the pool. The `tasks` columns are listed once, in [`COLUMNS`]: the statements of both
+//! databases and the encoding of a [`Task`] come from that list. Text for states, kinds and
+//! codes exists only here, at the database edge.
 
-use aip_store::Database;
-use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
-use proto_schemas::{Command, ErrorCode};
+use std::sync::LazyLock;
+
+use aip_store::{Conn, Database, List, Sql};
+use proto_schemas::sessions::{TaskEvent, TaskState};
+use proto_schemas::{ClientType, Command, ErrorCode, Platform};
 use serde_json::Value;
 use sqlx::types::Json;
 
+use crate::task::{
+    EventKind, ExecutorRef, Plan, PlannerKind, Requester, RequesterKind, Task, TaskError, Waiting,
+};
+pub use crate::task::{now_ms, rfc3339};
+
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
-#[error("database error: {0}")]
-pub struct StoreError(#[from] sqlx::Error);
-
-/// A task row.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct TaskRow {
-    /// Id (= session id).
-    pub task_id: String,
-    /// Name.
-    pub task_name: String,
-    /// State string.
-    pub state: String,
-    /// Request text.
-    pub request: String,
-    /// Structured input.
-    pub data: Option<Json<Value>>,
-    /// `client`, `rest` or `nats`.
-    pub requester_kind: String,
-    /// Requester id.
-    pub requester_id: String,
-    /// For client requesters: device or constellation.
-    pub requester_type: Option<String>,
-    /// Executor.
-    pub executor_id: Option<String>,
-    /// Executor platform.
-    pub executor_platform: Option<String>,
-    /// Required capabilities.
-    pub required_capabilities: Json<Vec<String>>,
-    /// `scripted` or `remote`.
-    pub planner: String,
-    /// Scripted steps.
-    pub steps: Option<Json<Vec<Vec<Command>>>>,
-    /// Next step to plan.
-    pub step: i32,
-    /// Command in flight.
-    pub pending_response_id: Option<String>,
-    /// The next step is to be planned.
-    pub needs_plan: bool,
-    /// Started by UFO's dispatch (dispatching sends a server `task` frame).
-    pub ufo_dispatch: bool,
-    /// A UFO dispatch waits for the device's echo.
-    pub awaiting_echo: bool,
-    /// Commands and results of every step.
-    pub history: Json<Vec<Value>>,
-    /// Priority.
-    pub priority: i32,
-    /// Result.
-    pub result: Option<Json<Value>>,
-    /// Error text.
-    pub error: Option<String>,
-    /// Error code.
-    pub error_code: Option<String>,
-    /// Callback URL.
-    pub callback_url: Option<String>,
-    /// Task deadline.
-    pub task_deadline_ms: i64,
-    /// Nearest deadline.
-    pub deadline_ms: i64,
-    /// Created.
-    pub created_ms: i64,
-    /// Updated.
-    pub updated_ms: i64,
-    /// Next event sequence number.
-    pub next_seq: i64,
+pub enum StoreError {
+    /// The database refused or could not be reached.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A stored value this version cannot read (written by hand, or by a newer version).
+    #[error("task '{task_id}': column {column} holds {value:?}, which this version cannot read")]
+    Corrupt {
+        task_id: String,
+        column: &'static str,
+        /// What it holds.
+        value: String,
+    },
+    /// A JSON column could not be encoded.
+    #[error("cannot encode task '{task_id}' for the database: {source}")]
+    Encode {
+        task_id: String,
+        source: serde_json::Error,
+    },
 }
 
-impl TaskRow {
-    /// The parsed state (an unknown string reads as failed, and is logged).
-    pub fn state(&self) -> TaskState {
-        TaskState::from_wire(&self.state).unwrap_or_else(|| {
-            tracing::error!(task = %self.task_id, state = %self.state, "unknown task state in the database");
-            TaskState::Failed
+/// How a column's values travel: its SQL type on PostgreSQL (JSON goes as text and is cast).
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Text,
+    Json,
+    Int4,
+    Int8,
+    Bool,
+}
+
+/// One value of a row, typed for binding.
+enum Cell {
+    Text(Option<String>),
+    Int4(i32),
+    Int8(i64),
+    Bool(bool),
+}
+
+/// A column of `tasks`: its name, how it travels, whether an upsert changes it (the others
+/// are fixed when the task is created), and how a [`Task`] fills it.
+struct Column {
+    name: &'static str,
+    kind: Kind,
+    mutable: bool,
+    cell: fn(&Task) -> Result<Cell, serde_json::Error>,
+}
+
+fn text(s: &str) -> Result<Cell, serde_json::Error> {
+    Ok(Cell::Text(Some(s.to_owned())))
+}
+
+fn maybe(s: Option<&str>) -> Result<Cell, serde_json::Error> {
+    Ok(Cell::Text(s.map(str::to_owned)))
+}
+
+fn json<T: serde::Serialize>(value: Option<&T>) -> Result<Cell, serde_json::Error> {
+    value.map(serde_json::to_string).transpose().map(Cell::Text)
+}
+
+/// The `tasks` table, the one place its columns are listed.
+const COLUMNS: &[Column] = &[
+    Column {
+        name: "task_id",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| text(&t.task_id),
+    },
+    Column {
+        name: "task_name",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| text(&t.task_name),
+    },
+    Column {
+        name: "state",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| text(t.state().as_str()),
+    },
+    Column {
+        name: "request",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| text(&t.request),
+    },
+    Column {
+        name: "data",
+        kind: Kind::Json,
+        mutable: false,
+        cell: |t| json(t.data.as_ref()),
+    },
+    Column {
+        name: "requester_kind",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| text(t.requester.kind().as_str()),
+    },
+    Column {
+        name: "requester_id",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| text(t.requester.id()),
+    },
+    Column {
+        name: "requester_type",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| match &t.requester {
+            Requester::Client { client_type, .. } => text(client_type.as_str()),
+            Requester::Rest(_) | Requester::Nats(_) => maybe(None),
+        },
+    },
+    Column {
+        name: "executor_id",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| text(&t.executor.id),
+    },
+    Column {
+        name: "executor_platform",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| text(t.executor.platform.as_str()),
+    },
+    Column {
+        name: "required_capabilities",
+        kind: Kind::Json,
+        mutable: false,
+        cell: |t| json(Some(&t.required_capabilities)),
+    },
+    Column {
+        name: "planner",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| text(t.plan.kind().as_str()),
+    },
+    Column {
+        name: "steps",
+        kind: Kind::Json,
+        mutable: false,
+        cell: |t| match &t.plan {
+            Plan::Scripted(steps) => json(Some(steps)),
+            Plan::Remote | Plan::Driver => json::<()>(None),
+        },
+    },
+    Column {
+        name: "step",
+        kind: Kind::Int4,
+        mutable: true,
+        cell: |t| Ok(Cell::Int4(t.step)),
+    },
+    Column {
+        name: "pending_response_id",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| maybe(t.waiting.response_id()),
+    },
+    Column {
+        name: "needs_plan",
+        kind: Kind::Bool,
+        mutable: true,
+        cell: |t| Ok(Cell::Bool(t.waiting == Waiting::Plan)),
+    },
+    Column {
+        name: "ufo_dispatch",
+        kind: Kind::Bool,
+        mutable: false,
+        cell: |t| Ok(Cell::Bool(t.ufo_dispatch)),
+    },
+    Column {
+        name: "awaiting_echo",
+        kind: Kind::Bool,
+        mutable: true,
+        cell: |t| Ok(Cell::Bool(t.waiting == Waiting::Echo)),
+    },
+    Column {
+        name: "history",
+        kind: Kind::Json,
+        mutable: true,
+        cell: |t| json(Some(&t.history)),
+    },
+    Column {
+        name: "priority",
+        kind: Kind::Int4,
+        mutable: false,
+        cell: |t| Ok(Cell::Int4(t.priority)),
+    },
+    Column {
+        name: "result",
+        kind: Kind::Json,
+        mutable: true,
+        cell: |t| json(t.result.as_ref()),
+    },
+    Column {
+        name: "error",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| maybe(t.error.as_ref().map(|e| e.detail.as_str())),
+    },
+    Column {
+        name: "error_code",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| maybe(t.error.as_ref().map(|e| e.code.as_str())),
+    },
+    Column {
+        name: "callback_url",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| maybe(t.callback_url.as_deref()),
+    },
+    Column {
+        name: "task_deadline_ms",
+        kind: Kind::Int8,
+        mutable: false,
+        cell: |t| Ok(Cell::Int8(t.task_deadline_ms)),
+    },
+    Column {
+        name: "deadline_ms",
+        kind: Kind::Int8,
+        mutable: true,
+        cell: |t| Ok(Cell::Int8(t.deadline_ms)),
+    },
+    Column {
+        name: "created_ms",
+        kind: Kind::Int8,
+        mutable: false,
+        cell: |t| Ok(Cell::Int8(t.created_ms)),
+    },
+    Column {
+        name: "updated_ms",
+        kind: Kind::Int8,
+        mutable: true,
+        cell: |t| Ok(Cell::Int8(t.updated_ms)),
+    },
+    Column {
+        name: "next_seq",
+        kind: Kind::Int8,
+        mutable: true,
+        cell: |t| Ok(Cell::Int8(t.next_seq)),
+    },
+];
+
+fn column_names() -> String {
+    COLUMNS
+        .iter()
+        .map(|c| c.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `ON CONFLICT … DO UPDATE SET` of every mutable column.
+fn upsert_tail() -> String {
+    let set: Vec<String> = COLUMNS
+        .iter()
+        .filter(|c| c.mutable)
+        .map(|c| format!("{0} = excluded.{0}", c.name))
+        .collect();
+    format!(" ON CONFLICT (task_id) DO UPDATE SET {}", set.join(", "))
+}
+
+/// `SELECT <every column> FROM tasks`.
+static SELECT_TASKS: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {} FROM tasks", column_names()));
+
+/// The start of SQLite's multi-row insert.
+static LITE_INSERT_TASKS: LazyLock<String> =
+    LazyLock::new(|| format!("INSERT INTO tasks ({}) ", column_names()));
+
+/// SQLite's conflict clause.
+static LITE_UPSERT_TAIL: LazyLock<String> = LazyLock::new(upsert_tail);
+
+/// PostgreSQL's upsert of every changed task in one statement: each column travels as one
+/// array, and `UNNEST` turns the arrays back into rows.
+static PG_UPSERT_TASKS: LazyLock<String> = LazyLock::new(|| {
+    let select: Vec<String> = COLUMNS
+        .iter()
+        .map(|c| match c.kind {
+            Kind::Json => format!("{}::jsonb", c.name),
+            _ => c.name.to_owned(),
+        })
+        .collect();
+    let arrays: Vec<String> = COLUMNS
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let ty = match c.kind {
+                Kind::Text | Kind::Json => "text[]",
+                Kind::Int4 => "int4[]",
+                Kind::Int8 => "int8[]",
+                Kind::Bool => "bool[]",
+            };
+            format!("${}::{ty}", i + 1)
+        })
+        .collect();
+    format!(
+        "INSERT INTO tasks ({names}) SELECT {select} FROM UNNEST({arrays}) AS u({names}){tail}",
+        names = column_names(),
+        select = select.join(", "),
+        arrays = arrays.join(", "),
+        tail = upsert_tail(),
+    )
+});
+
+/// A read of whole tasks: every column, then `tail` (the same text on both databases).
+fn select_tasks(tail: &str) -> Sql {
+    Sql::render(|_| format!("{} {tail}", *SELECT_TASKS))
+}
+
+/// The reads, each written once for both databases.
+static GET_TASK: LazyLock<Sql> = LazyLock::new(|| select_tasks("WHERE task_id = $1"));
+static GET_TASK_BY_NAME: LazyLock<Sql> =
+    LazyLock::new(|| select_tasks("WHERE task_name = $1 ORDER BY created_ms DESC LIMIT 1"));
+static LIST_TASKS: LazyLock<Sql> = LazyLock::new(|| {
+    select_tasks(
+        "WHERE ($1 = '' OR state = $1) AND ($2 = '' OR executor_id = $2) \
+         AND ($3 = '' OR requester_id = $3) AND ($4 = '' OR task_name = $4) \
+         AND (created_ms < $5 OR (created_ms = $5 AND task_id < $6)) \
+         ORDER BY created_ms DESC, task_id DESC LIMIT $7",
+    )
+});
+static LIVE_TASKS: LazyLock<Sql> = LazyLock::new(|| {
+    select_tasks(
+        "WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
+         ORDER BY created_ms, task_id",
+    )
+});
+static TASK_OWNERS: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|backend| {
+        format!(
+            "SELECT task_id, requester_id FROM tasks WHERE {}",
+            backend.in_list("task_id", 1)
+        )
+    })
+});
+static TASK_EVENTS: Sql = Sql::same(
+    "SELECT task_id, seq, at_ms, kind, state, data FROM task_events \
+     WHERE task_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+);
+static TASK_OWNER: Sql = Sql::same("SELECT requester_id FROM tasks WHERE task_id = $1");
+/// Reads the id back, a text on both databases (`SELECT 1` is INT4 on PostgreSQL).
+static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE msg_id = $1");
+static STALE_OUTBOX: Sql = Sql::same(
+    "SELECT msg_id, subject, payload FROM task_outbox WHERE created_ms < $1 \
+     ORDER BY created_ms LIMIT $2",
+);
+
+/// A `tasks` row as the database returns it: text where [`Task`] has enums.
+#[derive(Debug, sqlx::FromRow)]
+struct TaskRecord {
+    task_id: String,
+    task_name: String,
+    state: String,
+    request: String,
+    data: Option<Json<Value>>,
+    requester_kind: String,
+    requester_id: String,
+    requester_type: Option<String>,
+    executor_id: Option<String>,
+    executor_platform: Option<String>,
+    required_capabilities: Json<Vec<String>>,
+    planner: String,
+    steps: Option<Json<Vec<Vec<Command>>>>,
+    step: i32,
+    pending_response_id: Option<String>,
+    needs_plan: bool,
+    ufo_dispatch: bool,
+    awaiting_echo: bool,
+    history: Json<Vec<Value>>,
+    priority: i32,
+    result: Option<Json<Value>>,
+    error: Option<String>,
+    error_code: Option<String>,
+    callback_url: Option<String>,
+    task_deadline_ms: i64,
+    deadline_ms: i64,
+    created_ms: i64,
+    updated_ms: i64,
+    next_seq: i64,
+}
+
+impl TryFrom<TaskRecord> for Task {
+    type Error = StoreError;
+
+    fn try_from(r: TaskRecord) -> Result<Self, StoreError> {
+        let corrupt = |column: &'static str, value: &str| StoreError::Corrupt {
+            task_id: r.task_id.clone(),
+            column,
+            value: value.to_owned(),
+        };
+        let state = TaskState::from_wire(&r.state).ok_or_else(|| corrupt("state", &r.state))?;
+        let requester = match RequesterKind::from_db(&r.requester_kind) {
+            Some(RequesterKind::Client) => {
+                let kind = r.requester_type.as_deref().unwrap_or_default();
+                let client_type =
+                    ClientType::from_wire(kind).ok_or_else(|| corrupt("requester_type", kind))?;
+                Requester::Client {
+                    id: r.requester_id.clone(),
+                    client_type,
+                }
+            }
+            Some(RequesterKind::Rest) => Requester::Rest(r.requester_id.clone()),
+            Some(RequesterKind::Nats) => Requester::Nats(r.requester_id.clone()),
+            None => return Err(corrupt("requester_kind", &r.requester_kind)),
+        };
+        let executor_id = r
+            .executor_id
+            .clone()
+            .ok_or_else(|| corrupt("executor_id", "NULL"))?;
+        let platform_text = r.executor_platform.as_deref().unwrap_or("NULL");
+        let platform = Platform::from_wire(platform_text)
+            .ok_or_else(|| corrupt("executor_platform", platform_text))?;
+        let plan = match PlannerKind::from_db(&r.planner) {
+            Some(PlannerKind::Scripted) => Plan::Scripted(
+                r.steps
+                    .as_ref()
+                    .map(|s| s.0.clone())
+                    .ok_or_else(|| corrupt("steps", "NULL"))?,
+            ),
+            Some(PlannerKind::Remote) => Plan::Remote,
+            Some(PlannerKind::Driver) => Plan::Driver,
+            None => return Err(corrupt("planner", &r.planner)),
+        };
+        let waiting = match (&r.pending_response_id, r.needs_plan, r.awaiting_echo) {
+            (_, _, true) => Waiting::Echo,
+            (Some(response_id), _, _) => Waiting::Results {
+                response_id: response_id.clone(),
+            },
+            (None, true, _) => Waiting::Plan,
+            (None, false, false) => Waiting::Nothing,
+        };
+        let error = match (&r.error, &r.error_code) {
+            (None, _) => None,
+            (Some(detail), Some(code)) => Some(TaskError::new(
+                ErrorCode::from_wire(code).ok_or_else(|| corrupt("error_code", code))?,
+                detail.clone(),
+            )),
+            (Some(_), None) => return Err(corrupt("error_code", "NULL")),
+        };
+        Ok(Task {
+            state,
+            requester,
+            executor: ExecutorRef {
+                id: executor_id,
+                platform,
+            },
+            plan,
+            waiting,
+            error,
+            data: r.data.map(|j| j.0),
+            required_capabilities: r.required_capabilities.0,
+            history: r.history.0,
+            result: r.result.map(|j| j.0),
+            task_id: r.task_id,
+            task_name: r.task_name,
+            request: r.request,
+            step: r.step,
+            ufo_dispatch: r.ufo_dispatch,
+            priority: r.priority,
+            callback_url: r.callback_url,
+            task_deadline_ms: r.task_deadline_ms,
+            deadline_ms: r.deadline_ms,
+            created_ms: r.created_ms,
+            updated_ms: r.updated_ms,
+            next_seq: r.next_seq,
         })
     }
-
-    /// The REST view.
-    pub fn view(&self) -> TaskView {
-        let requester = match self.requester_kind.as_str() {
-            "client" => self.requester_id.clone(),
-            kind => format!("{kind}:{}", self.requester_id),
-        };
-        TaskView {
-            task_id: self.task_id.clone(),
-            task_name: self.task_name.clone(),
-            state: self.state(),
-            request: self.request.clone(),
-            requester,
-            executor_id: self.executor_id.clone(),
-            priority: self.priority,
-            result: self.result.as_ref().map(|j| j.0.clone()),
-            error: self.error.clone(),
-            error_code: self.error_code.as_deref().and_then(ErrorCode::from_wire),
-            created_at: rfc3339(self.created_ms),
-            updated_at: rfc3339(self.updated_ms),
-            events: self.next_seq - 1,
-        }
-    }
 }
 
-/// Milliseconds since the epoch as RFC 3339.
-pub fn rfc3339(ms: i64) -> String {
-    chrono::DateTime::from_timestamp_millis(ms)
-        .unwrap_or_default()
-        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+fn decode_all(records: Vec<TaskRecord>) -> Result<Vec<Task>, StoreError> {
+    records.into_iter().map(Task::try_from).collect()
 }
 
-/// Now, in epoch milliseconds.
-pub fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
+/// The cells of a task, in [`COLUMNS`] order.
+fn cells(task: &Task) -> Result<Vec<Cell>, StoreError> {
+    COLUMNS
+        .iter()
+        .map(|c| {
+            (c.cell)(task).map_err(|source| StoreError::Encode {
+                task_id: task.task_id.clone(),
+                source,
+            })
+        })
+        .collect()
 }
 
 #[derive(Debug, sqlx::FromRow)]
-struct EventRow {
+struct EventRecord {
     task_id: String,
     seq: i64,
     at_ms: i64,
@@ -135,28 +518,25 @@ struct EventRow {
     data: Option<Json<Value>>,
 }
 
-impl EventRow {
-    fn into_event(self) -> TaskEvent {
-        TaskEvent {
-            task_id: self.task_id,
-            seq: self.seq,
-            at: rfc3339(self.at_ms),
-            kind: self.kind,
-            state: TaskState::from_wire(&self.state).unwrap_or(TaskState::Failed),
-            data: self.data.map(|j| j.0),
-        }
+impl TryFrom<EventRecord> for TaskEvent {
+    type Error = StoreError;
+
+    fn try_from(r: EventRecord) -> Result<Self, StoreError> {
+        let state = TaskState::from_wire(&r.state).ok_or_else(|| StoreError::Corrupt {
+            task_id: r.task_id.clone(),
+            column: "task_events.state",
+            value: r.state.clone(),
+        })?;
+        Ok(TaskEvent {
+            task_id: r.task_id,
+            seq: r.seq,
+            at: rfc3339(r.at_ms),
+            kind: r.kind,
+            state,
+            data: r.data.map(|j| j.0),
+        })
     }
 }
-
-/// `$1` → `?1` for SQLite.
-fn lite(sql: &str) -> String {
-    sql.replace('$', "?")
-}
-
-const TASK_COLUMNS: &str = "task_id, task_name, state, request, data, requester_kind, requester_id, requester_type, \
-    executor_id, executor_platform, required_capabilities, planner, steps, step, pending_response_id, needs_plan, \
-    ufo_dispatch, awaiting_echo, history, priority, result, error, error_code, callback_url, task_deadline_ms, deadline_ms, \
-    created_ms, updated_ms, next_seq";
 
 /// The task store.
 #[derive(Clone)]
@@ -164,35 +544,18 @@ pub struct TaskStore {
     db: Database,
 }
 
-macro_rules! fetch {
-    ($target:expr, $ty:ty, $sql:expr, [$($arg:expr),* $(,)?], $method:ident) => {
-        match $target {
-            Target::Pg(c) => sqlx::query_as::<_, $ty>(sqlx::AssertSqlSafe(($sql).to_string()))$(.bind($arg))*.$method(c).await,
-            Target::Lite(c) => sqlx::query_as::<_, $ty>(sqlx::AssertSqlSafe(lite($sql)))$(.bind($arg))*.$method(c).await,
-        }
-    };
-}
-
-/// Where a read runs.
-enum Target<'a> {
-    Pg(&'a mut sqlx::PgConnection),
-    Lite(&'a mut sqlx::SqliteConnection),
-}
-
 /// An event to append.
 #[derive(Debug, Clone)]
 pub struct NewEvent {
-    /// The task.
     pub task_id: String,
     /// Its gap-free sequence number.
     pub seq: i64,
-    /// When.
+    /// Epoch ms.
     pub at_ms: i64,
     /// What happened.
-    pub kind: String,
+    pub kind: EventKind,
     /// The task's state after it.
-    pub state: String,
-    /// Details.
+    pub state: TaskState,
     pub data: Option<Value>,
 }
 
@@ -203,15 +566,14 @@ pub struct OutFrame {
     pub msg_id: String,
     /// Subject to publish on.
     pub subject: String,
-    /// Body.
     pub payload: Vec<u8>,
 }
 
 /// Everything one group commit writes, in one transaction.
 #[derive(Debug, Default)]
 pub struct Batch {
-    /// Tasks created or changed (the whole row; the last version of each).
-    pub tasks: Vec<TaskRow>,
+    /// Tasks created or changed (the last version of each).
+    pub tasks: Vec<Task>,
     /// Events appended.
     pub events: Vec<NewEvent>,
     /// Ids of the frames applied, so a redelivery is recognised.
@@ -220,7 +582,7 @@ pub struct Batch {
     pub outbox: Vec<OutFrame>,
     /// Outbox rows of earlier batches that have been published since.
     pub published: Vec<String>,
-    /// Forget processed-frame ids older than this.
+    /// Forget processed-frame ids older than this (epoch ms).
     pub prune_processed_before: Option<i64>,
 }
 
@@ -236,13 +598,14 @@ impl Batch {
     }
 }
 
-/// Rows per statement: far below the bind-parameter limits of both databases (29 columns
-/// × 500 rows = 14,500 parameters; SQLite allows 32,766, PostgreSQL 65,535).
-const ROWS_PER_STATEMENT: usize = 500;
+/// Ids per `IN (…)`/`ANY` read: far below the bind-parameter limits of both databases
+/// (SQLite allows 32,766, PostgreSQL 65,535).
+const IDS_PER_STATEMENT: usize = 500;
 
 /// Splits rows into slices of a few fixed sizes (256, 32, 4 and 1 rows), so a multi-row
 /// statement has one of a few texts and stays in the connection's prepared-statement cache
-/// instead of being parsed again for every batch size.
+/// instead of being parsed again for every batch size. (256 rows × 29 columns stays under
+/// SQLite's bind-parameter limit.)
 fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
     let mut chunks = Vec::new();
     for size in [256, 32, 4, 1] {
@@ -259,57 +622,32 @@ fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
 /// PostgreSQL, released by the server when the connection ends) and writes every batch, so a
 /// replica that lost its connection can no longer write: its transaction fails.
 pub enum Writer {
-    /// PostgreSQL.
     Pg(sqlx::PgConnection),
     /// SQLite (one process owns an embedded database).
     Lite(sqlx::SqliteConnection),
 }
 
 /// Writes a batch on SQLite with multi-row statements of a few fixed sizes.
-async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Result<(), StoreError> {
+    let rows = batch
+        .tasks
+        .iter()
+        .map(cells)
+        .collect::<Result<Vec<_>, _>>()?;
     let mut tx = sqlx::Connection::begin(conn).await?;
-    for rows in sized_chunks(&batch.tasks) {
-        let mut q =
-            sqlx::QueryBuilder::<sqlx::Sqlite>::new(format!("INSERT INTO tasks ({TASK_COLUMNS}) "));
-        q.push_values(rows, |mut b, t| {
-            b.push_bind(t.task_id.clone())
-                .push_bind(t.task_name.clone())
-                .push_bind(t.state.clone())
-                .push_bind(t.request.clone())
-                .push_bind(t.data.clone())
-                .push_bind(t.requester_kind.clone())
-                .push_bind(t.requester_id.clone())
-                .push_bind(t.requester_type.clone())
-                .push_bind(t.executor_id.clone())
-                .push_bind(t.executor_platform.clone())
-                .push_bind(t.required_capabilities.clone())
-                .push_bind(t.planner.clone())
-                .push_bind(t.steps.clone())
-                .push_bind(t.step)
-                .push_bind(t.pending_response_id.clone())
-                .push_bind(t.needs_plan)
-                .push_bind(t.ufo_dispatch)
-                .push_bind(t.awaiting_echo)
-                .push_bind(t.history.clone())
-                .push_bind(t.priority)
-                .push_bind(t.result.clone())
-                .push_bind(t.error.clone())
-                .push_bind(t.error_code.clone())
-                .push_bind(t.callback_url.clone())
-                .push_bind(t.task_deadline_ms)
-                .push_bind(t.deadline_ms)
-                .push_bind(t.created_ms)
-                .push_bind(t.updated_ms)
-                .push_bind(t.next_seq);
+    for chunk in sized_chunks(&rows) {
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(LITE_INSERT_TASKS.as_str());
+        q.push_values(chunk, |mut b, row| {
+            for cell in row {
+                match cell {
+                    Cell::Text(v) => b.push_bind(v.clone()),
+                    Cell::Int4(v) => b.push_bind(*v),
+                    Cell::Int8(v) => b.push_bind(*v),
+                    Cell::Bool(v) => b.push_bind(*v),
+                };
+            }
         });
-        q.push(
-                " ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, executor_id = excluded.executor_id, \
-                 executor_platform = excluded.executor_platform, step = excluded.step, \
-                 pending_response_id = excluded.pending_response_id, needs_plan = excluded.needs_plan, \
-                 awaiting_echo = excluded.awaiting_echo, history = excluded.history, result = excluded.result, \
-                 error = excluded.error, error_code = excluded.error_code, deadline_ms = excluded.deadline_ms, \
-                 updated_ms = excluded.updated_ms, next_seq = excluded.next_seq",
-            );
+        q.push(LITE_UPSERT_TAIL.as_str());
         q.build().execute(&mut *tx).await?;
     }
     for rows in sized_chunks(&batch.events) {
@@ -320,8 +658,8 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
             b.push_bind(e.task_id.clone())
                 .push_bind(e.seq)
                 .push_bind(e.at_ms)
-                .push_bind(e.kind.clone())
-                .push_bind(e.state.clone())
+                .push_bind(e.kind.as_str())
+                .push_bind(e.state.as_str())
                 .push_bind(e.data.clone().map(Json));
         });
         q.build().execute(&mut *tx).await?;
@@ -365,83 +703,67 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
             .execute(&mut *tx)
             .await?;
     }
-    tx.commit().await
+    Ok(tx.commit().await?)
 }
-
-/// JSON as text, for binding into a `text[]` that the statement casts to `jsonb`.
-fn json_text<T: serde::Serialize>(value: Option<&T>) -> Option<String> {
-    value.map(|v| serde_json::to_string(v).unwrap_or_else(|_| "null".to_owned()))
-}
-
-/// Upserts every changed task in one statement: each column travels as one array.
-const PG_UPSERT_TASKS: &str = "INSERT INTO tasks (task_id, task_name, state, request, data, requester_kind, \
-    requester_id, requester_type, executor_id, executor_platform, required_capabilities, planner, steps, step, \
-    pending_response_id, needs_plan, ufo_dispatch, awaiting_echo, history, priority, result, error, error_code, \
-    callback_url, task_deadline_ms, deadline_ms, created_ms, updated_ms, next_seq) \
-    SELECT task_id, task_name, state, request, data::jsonb, requester_kind, requester_id, requester_type, \
-    executor_id, executor_platform, required_capabilities::jsonb, planner, steps::jsonb, step, pending_response_id, \
-    needs_plan, ufo_dispatch, awaiting_echo, history::jsonb, priority, result::jsonb, error, error_code, \
-    callback_url, task_deadline_ms, deadline_ms, created_ms, updated_ms, next_seq \
-    FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[], \
-    $9::text[], $10::text[], $11::text[], $12::text[], $13::text[], $14::int4[], $15::text[], $16::bool[], \
-    $17::bool[], $18::bool[], $19::text[], $20::int4[], $21::text[], $22::text[], $23::text[], $24::text[], \
-    $25::int8[], $26::int8[], $27::int8[], $28::int8[], $29::int8[]) \
-    AS u(task_id, task_name, state, request, data, requester_kind, requester_id, requester_type, executor_id, \
-    executor_platform, required_capabilities, planner, steps, step, pending_response_id, needs_plan, ufo_dispatch, \
-    awaiting_echo, history, priority, result, error, error_code, callback_url, task_deadline_ms, deadline_ms, \
-    created_ms, updated_ms, next_seq) \
-    ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, executor_id = excluded.executor_id, \
-    executor_platform = excluded.executor_platform, step = excluded.step, \
-    pending_response_id = excluded.pending_response_id, needs_plan = excluded.needs_plan, \
-    awaiting_echo = excluded.awaiting_echo, history = excluded.history, result = excluded.result, \
-    error = excluded.error, error_code = excluded.error_code, deadline_ms = excluded.deadline_ms, \
-    updated_ms = excluded.updated_ms, next_seq = excluded.next_seq";
 
 /// Writes a batch on PostgreSQL with one statement per table, whatever its size: columns
 /// travel as arrays and `UNNEST` turns them back into rows. One statement text per table
 /// stays prepared, and a batch costs a handful of round trips.
-async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), sqlx::Error> {
+async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), StoreError> {
+    let rows = batch
+        .tasks
+        .iter()
+        .map(cells)
+        .collect::<Result<Vec<_>, _>>()?;
     let mut tx = sqlx::Connection::begin(conn).await?;
-    if !batch.tasks.is_empty() {
-        let t = &batch.tasks;
-        fn col<T>(t: &[TaskRow], f: impl Fn(&TaskRow) -> T) -> Vec<T> {
-            t.iter().map(f).collect()
+    if !rows.is_empty() {
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(PG_UPSERT_TASKS.as_str()));
+        for (i, column) in COLUMNS.iter().enumerate() {
+            let values = rows.iter().map(|row| &row[i]);
+            q = match column.kind {
+                Kind::Text | Kind::Json => q.bind(
+                    values
+                        .map(|c| match c {
+                            Cell::Text(v) => v.clone(),
+                            _ => None,
+                        })
+                        .collect::<Vec<Option<String>>>(),
+                ),
+                Kind::Int4 => q.bind(
+                    values
+                        .map(|c| match c {
+                            Cell::Int4(v) => *v,
+                            _ => 0,
+                        })
+                        .collect::<Vec<i32>>(),
+                ),
+                Kind::Int8 => q.bind(
+                    values
+                        .map(|c| match c {
+                            Cell::Int8(v) => *v,
+                            _ => 0,
+                        })
+                        .collect::<Vec<i64>>(),
+                ),
+                Kind::Bool => q.bind(
+                    values
+                        .map(|c| matches!(c, Cell::Bool(true)))
+                        .collect::<Vec<bool>>(),
+                ),
+            };
         }
-        sqlx::query(PG_UPSERT_TASKS)
-            .bind(col(t, |r| r.task_id.clone()))
-            .bind(col(t, |r| r.task_name.clone()))
-            .bind(col(t, |r| r.state.clone()))
-            .bind(col(t, |r| r.request.clone()))
-            .bind(col(t, |r| json_text(r.data.as_ref().map(|j| &j.0))))
-            .bind(col(t, |r| r.requester_kind.clone()))
-            .bind(col(t, |r| r.requester_id.clone()))
-            .bind(col(t, |r| r.requester_type.clone()))
-            .bind(col(t, |r| r.executor_id.clone()))
-            .bind(col(t, |r| r.executor_platform.clone()))
-            .bind(col(t, |r| json_text(Some(&r.required_capabilities.0))))
-            .bind(col(t, |r| r.planner.clone()))
-            .bind(col(t, |r| json_text(r.steps.as_ref().map(|j| &j.0))))
-            .bind(col(t, |r| r.step))
-            .bind(col(t, |r| r.pending_response_id.clone()))
-            .bind(col(t, |r| r.needs_plan))
-            .bind(col(t, |r| r.ufo_dispatch))
-            .bind(col(t, |r| r.awaiting_echo))
-            .bind(col(t, |r| json_text(Some(&r.history.0))))
-            .bind(col(t, |r| r.priority))
-            .bind(col(t, |r| json_text(r.result.as_ref().map(|j| &j.0))))
-            .bind(col(t, |r| r.error.clone()))
-            .bind(col(t, |r| r.error_code.clone()))
-            .bind(col(t, |r| r.callback_url.clone()))
-            .bind(col(t, |r| r.task_deadline_ms))
-            .bind(col(t, |r| r.deadline_ms))
-            .bind(col(t, |r| r.created_ms))
-            .bind(col(t, |r| r.updated_ms))
-            .bind(col(t, |r| r.next_seq))
-            .execute(&mut *tx)
-            .await?;
+        q.execute(&mut *tx).await?;
     }
     if !batch.events.is_empty() {
         let e = &batch.events;
+        let data = e
+            .iter()
+            .map(|e| e.data.as_ref().map(serde_json::to_string).transpose())
+            .collect::<Result<Vec<Option<String>>, _>>()
+            .map_err(|source| StoreError::Encode {
+                task_id: e[0].task_id.clone(),
+                source,
+            })?;
         sqlx::query(
             "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) \
              SELECT task_id, seq, at_ms, kind, state, data::jsonb \
@@ -451,13 +773,9 @@ async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), sq
         .bind(e.iter().map(|e| e.task_id.clone()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.seq).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.at_ms).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.kind.clone()).collect::<Vec<_>>())
-        .bind(e.iter().map(|e| e.state.clone()).collect::<Vec<_>>())
-        .bind(
-            e.iter()
-                .map(|e| json_text(e.data.as_ref()))
-                .collect::<Vec<_>>(),
-        )
+        .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
+        .bind(e.iter().map(|e| e.state.as_str()).collect::<Vec<_>>())
+        .bind(data)
         .execute(&mut *tx)
         .await?;
     }
@@ -498,7 +816,7 @@ async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), sq
             .execute(&mut *tx)
             .await?;
     }
-    tx.commit().await
+    Ok(tx.commit().await?)
 }
 
 impl Writer {
@@ -508,38 +826,40 @@ impl Writer {
             return Ok(());
         }
         match self {
-            Writer::Pg(conn) => Ok(write_pg(conn, batch).await?),
-            Writer::Lite(conn) => Ok(write_sqlite(conn, batch).await?),
+            Writer::Pg(conn) => write_pg(conn, batch).await,
+            Writer::Lite(conn) => write_sqlite(conn, batch).await,
         }
     }
 
-    /// Every task that has not ended, oldest first (what a new leader takes over).
-    pub async fn load_live(&mut self) -> Result<Vec<TaskRow>, StoreError> {
-        let sql = format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE state IN ('submitted', 'dispatched', 'working', 'input_required') \
-             ORDER BY created_ms, task_id"
-        );
-        Ok(match self {
-            Writer::Pg(conn) => {
-                sqlx::query_as::<_, TaskRow>(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(&mut *conn)
-                    .await?
-            }
-            Writer::Lite(conn) => {
-                sqlx::query_as::<_, TaskRow>(sqlx::AssertSqlSafe(sql))
-                    .fetch_all(&mut *conn)
-                    .await?
-            }
-        })
+    /// Every task that has not ended, oldest first (what a new leader takes over). A row
+    /// this version cannot read is logged and left alone, so that it cannot keep every
+    /// replica from leading.
+    pub async fn load_live(&mut self) -> Result<Vec<Task>, StoreError> {
+        let conn = match self {
+            Writer::Pg(conn) => Conn::Postgres(conn),
+            Writer::Lite(conn) => Conn::Sqlite(conn),
+        };
+        let records: Vec<TaskRecord> = conn.query(&LIVE_TASKS).fetch_all().await?;
+        Ok(records
+            .into_iter()
+            .filter_map(|r| match Task::try_from(r) {
+                Ok(task) => Some(task),
+                Err(e) => {
+                    tracing::error!("a live task is not taken over: {e}");
+                    None
+                }
+            })
+            .collect())
     }
 }
+
 impl TaskStore {
     /// A store over an open (migrated) database.
     pub fn new(db: Database) -> Self {
         TaskStore { db }
     }
 
-    /// The database.
+    /// The database (for readiness probes).
     pub fn database(&self) -> &Database {
         &self.db
     }
@@ -576,76 +896,49 @@ impl TaskStore {
         })
     }
 
-    /// Runs a read on a pooled connection.
-    async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
-    where
-        F: for<'c> FnOnce(Target<'c>) -> futures::future::BoxFuture<'c, Result<T, sqlx::Error>>,
-    {
-        Ok(match &self.db {
-            Database::Postgres(pool) => {
-                let mut conn = pool.acquire().await?;
-                f(Target::Pg(&mut conn)).await?
-            }
-            Database::Sqlite(pool) => {
-                let mut conn = pool.acquire().await?;
-                f(Target::Lite(&mut conn)).await?
-            }
-        })
-    }
-
     /// One task by id.
-    pub async fn get(&self, task_id: &str) -> Result<Option<TaskRow>, StoreError> {
-        let task_id = task_id.to_owned();
-        self.read(move |t| {
-            Box::pin(async move {
-                let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = $1");
-                fetch!(t, TaskRow, &sql, [task_id], fetch_optional)
-            })
-        })
-        .await
+    pub async fn get(&self, task_id: &str) -> Result<Option<Task>, StoreError> {
+        let record: Option<TaskRecord> = self
+            .db
+            .query(&GET_TASK)
+            .bind(task_id.to_owned())
+            .fetch_optional()
+            .await?;
+        record.map(Task::try_from).transpose()
     }
 
     /// The newest task with a name.
-    pub async fn get_by_name(&self, task_name: &str) -> Result<Option<TaskRow>, StoreError> {
-        let task_name = task_name.to_owned();
-        self.read(move |t| {
-            Box::pin(async move {
-                let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_name = $1 ORDER BY created_ms DESC LIMIT 1");
-                fetch!(t, TaskRow, &sql, [task_name], fetch_optional)
-            })
-        })
-        .await
+    pub async fn get_by_name(&self, task_name: &str) -> Result<Option<Task>, StoreError> {
+        let record: Option<TaskRecord> = self
+            .db
+            .query(&GET_TASK_BY_NAME)
+            .bind(task_name.to_owned())
+            .fetch_optional()
+            .await?;
+        record.map(Task::try_from).transpose()
     }
 
     /// Tasks, newest first, after a cursor (`created_ms:task_id` of the last row seen).
-    pub async fn list(&self, filter: ListFilter) -> Result<Vec<TaskRow>, StoreError> {
-        self.read(move |t| {
-            Box::pin(async move {
-                let (cursor_ms, cursor_id) = filter.cursor.unwrap_or((i64::MAX, String::new()));
-                let sql = format!(
-                    "SELECT {TASK_COLUMNS} FROM tasks WHERE ($1 = '' OR state = $1) AND ($2 = '' OR executor_id = $2) \
-                     AND ($3 = '' OR requester_id = $3) AND ($4 = '' OR task_name = $4) \
-                     AND (created_ms < $5 OR (created_ms = $5 AND task_id < $6)) \
-                     ORDER BY created_ms DESC, task_id DESC LIMIT $7"
-                );
-                fetch!(
-                    t,
-                    TaskRow,
-                    &sql,
-                    [
-                        filter.state.unwrap_or_default(),
-                        filter.executor.unwrap_or_default(),
-                        filter.requester.unwrap_or_default(),
-                        filter.task_name.unwrap_or_default(),
-                        cursor_ms,
-                        cursor_id,
-                        filter.limit,
-                    ],
-                    fetch_all
-                )
-            })
-        })
-        .await
+    pub async fn list(&self, filter: ListFilter) -> Result<Vec<Task>, StoreError> {
+        let (cursor_ms, cursor_id) = filter.cursor.unwrap_or((i64::MAX, String::new()));
+        let records: Vec<TaskRecord> = self
+            .db
+            .query(&LIST_TASKS)
+            .bind(
+                filter
+                    .state
+                    .map(|s| s.as_str().to_owned())
+                    .unwrap_or_default(),
+            )
+            .bind(filter.executor.unwrap_or_default())
+            .bind(filter.requester.unwrap_or_default())
+            .bind(filter.task_name.unwrap_or_default())
+            .bind(cursor_ms)
+            .bind(cursor_id)
+            .bind(filter.limit)
+            .fetch_all()
+            .await?;
+        decode_all(records)
     }
 
     /// A task's events after a sequence number, at most `limit`.
@@ -655,65 +948,42 @@ impl TaskStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<TaskEvent>, StoreError> {
-        let task_id = task_id.to_owned();
-        let rows = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let sql = "SELECT task_id, seq, at_ms, kind, state, data FROM task_events \
-                        WHERE task_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
-                    fetch!(t, EventRow, sql, [task_id, after, limit], fetch_all)
-                })
-            })
+        let records: Vec<EventRecord> = self
+            .db
+            .query(&TASK_EVENTS)
+            .bind(task_id.to_owned())
+            .bind(after)
+            .bind(limit)
+            .fetch_all()
             .await?;
-        Ok(rows.into_iter().map(EventRow::into_event).collect())
+        records.into_iter().map(TaskEvent::try_from).collect()
     }
 
     /// The requester of the task with this id, if it exists.
     pub async fn owner(&self, task_id: &str) -> Result<Option<String>, StoreError> {
-        let task_id = task_id.to_owned();
-        self.read(move |t| {
-            Box::pin(async move {
-                let row: Option<(String,)> = fetch!(
-                    t,
-                    (String,),
-                    "SELECT requester_id FROM tasks WHERE task_id = $1",
-                    [task_id],
-                    fetch_optional
-                )?;
-                Ok(row.map(|r| r.0))
-            })
-        })
-        .await
+        let row: Option<(String,)> = self
+            .db
+            .query(&TASK_OWNER)
+            .bind(task_id.to_owned())
+            .fetch_optional()
+            .await?;
+        Ok(row.map(|r| r.0))
     }
 
-    /// The requesters of those of these task ids that exist, in one query.
+    /// The requesters of those of these task ids that exist, in one query per
+    /// [`IDS_PER_STATEMENT`] ids.
     pub async fn owners(
         &self,
         task_ids: &[String],
     ) -> Result<std::collections::HashMap<String, String>, StoreError> {
         let mut owners = std::collections::HashMap::new();
-        for chunk in task_ids.chunks(ROWS_PER_STATEMENT) {
-            let rows: Vec<(String, String)> = match &self.db {
-                Database::Postgres(pool) => {
-                    sqlx::query_as(
-                        "SELECT task_id, requester_id FROM tasks WHERE task_id = ANY($1)",
-                    )
-                    .bind(chunk)
-                    .fetch_all(pool)
-                    .await?
-                }
-                Database::Sqlite(pool) => {
-                    let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-                        "SELECT task_id, requester_id FROM tasks WHERE task_id IN (",
-                    );
-                    let mut list = q.separated(", ");
-                    for id in chunk {
-                        list.push_bind(id.clone());
-                    }
-                    q.push(")");
-                    q.build_query_as().fetch_all(pool).await?
-                }
-            };
+        for chunk in task_ids.chunks(IDS_PER_STATEMENT) {
+            let rows: Vec<(String, String)> = self
+                .db
+                .query(&TASK_OWNERS)
+                .bind(List(chunk))
+                .fetch_all()
+                .await?;
             owners.extend(rows);
         }
         Ok(owners)
@@ -721,37 +991,28 @@ impl TaskStore {
 
     /// Whether the frame with this id was applied.
     pub async fn processed(&self, msg_id: &str) -> Result<bool, StoreError> {
-        let msg_id = msg_id.to_owned();
-        self.read(move |t| {
-            Box::pin(async move {
-                let row: Option<(i64,)> = fetch!(
-                    t,
-                    (i64,),
-                    "SELECT 1 FROM processed_messages WHERE msg_id = $1",
-                    [msg_id],
-                    fetch_optional
-                )?;
-                Ok(row.is_some())
-            })
-        })
-        .await
+        let row: Option<(String,)> = self
+            .db
+            .query(&PROCESSED)
+            .bind(msg_id.to_owned())
+            .fetch_optional()
+            .await?;
+        Ok(row.is_some())
     }
 
-    /// Outbox rows older than `older_than`: frames whose publish failed, or that a crash
-    /// left unsent.
+    /// Outbox rows older than `older_than` (epoch ms): frames whose publish failed, or that
+    /// a crash left unsent.
     pub async fn stale_outbox(
         &self,
         older_than: i64,
         limit: i64,
     ) -> Result<Vec<OutFrame>, StoreError> {
         let rows: Vec<(String, String, Vec<u8>)> = self
-            .read(move |t| {
-                Box::pin(async move {
-                    let sql = "SELECT msg_id, subject, payload FROM task_outbox WHERE created_ms < $1 \
-                        ORDER BY created_ms LIMIT $2";
-                    fetch!(t, (String, String, Vec<u8>), sql, [older_than, limit], fetch_all)
-                })
-            })
+            .db
+            .query(&STALE_OUTBOX)
+            .bind(older_than)
+            .bind(limit)
+            .fetch_all()
             .await?;
         Ok(rows
             .into_iter()
@@ -768,14 +1029,14 @@ impl TaskStore {
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
     /// Only this state.
-    pub state: Option<String>,
+    pub state: Option<TaskState>,
     /// Only this executor.
     pub executor: Option<String>,
     /// Only this requester id.
     pub requester: Option<String>,
     /// Only this task name.
     pub task_name: Option<String>,
-    /// After this position.
+    /// After this position: `created_ms` and `task_id` of the last row seen.
     pub cursor: Option<(i64, String)>,
     /// At most this many.
     pub limit: i64,
@@ -783,7 +1044,7 @@ pub struct ListFilter {
 
 #[cfg(test)]
 mod tests {
-    use super::sized_chunks;
+    use super::*;
 
     #[test]
     fn rows_are_split_into_a_few_fixed_sizes_and_none_is_lost() {
@@ -798,5 +1059,19 @@ mod tests {
             );
         }
         assert_eq!(sized_chunks(&[0u8; 100]).len(), 4, "32 × 3 + 4");
+    }
+
+    #[test]
+    fn the_statements_come_from_the_one_column_list() {
+        assert_eq!(COLUMNS.len(), 29);
+        let upsert = PG_UPSERT_TASKS.as_str();
+        assert!(upsert.contains("$29::int8[]") && !upsert.contains("$30"));
+        assert!(upsert.contains("steps::jsonb"));
+        assert!(upsert.contains("state = excluded.state"));
+        assert!(
+            !upsert.contains("task_name = excluded"),
+            "fixed columns are not updated"
+        );
+        assert!(SELECT_TASKS.starts_with("SELECT task_id, task_name, state,"));
     }
 }

@@ -54,36 +54,83 @@ pub async fn consume_frames(
     tracker: TaskTracker,
 ) {
     let stream = engine.subjects().frames_stream();
-    let deliveries = loop {
-        match engine
+    loop {
+        let deliveries = match engine
             .bus()
             .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight)
             .await
         {
-            Ok(d) => break d,
+            Ok(deliveries) => deliveries,
             Err(e) => {
-                tracing::error!("cannot consume the frames stream (retrying in 1 s): {e}");
+                tracing::error!(
+                    "cannot consume the frames stream (retrying in {CONSUMER_RETRY:?}): {e}"
+                );
                 tokio::select! {
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    () = tokio::time::sleep(CONSUMER_RETRY) => continue,
+                    () = stop.cancelled() => return,
+                }
+            }
+        };
+        match run_consumer(&engine, deliveries, &stop, &tracker).await {
+            ConsumerEnd::Stopped => return,
+            ConsumerEnd::Lost(why) => {
+                tracing::error!(
+                    "the frames consumer is lost ({why}); consuming again in {CONSUMER_RETRY:?}"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(CONSUMER_RETRY) => {}
                     () = stop.cancelled() => return,
                 }
             }
         }
-    };
+    }
+}
+
+/// How long to wait before consuming the frames stream again after a failure.
+const CONSUMER_RETRY: Duration = Duration::from_secs(1);
+
+/// Chunks in a row with nothing but receive errors after which the consumer is taken for lost
+/// (deleted, or its server restarted without it) and created again. A single error (a missed
+/// heartbeat while NATS restarts) is not enough.
+const LOST_AFTER_ERROR_CHUNKS: u32 = 20;
+
+/// Why a consumer stopped delivering.
+enum ConsumerEnd {
+    /// This replica stops leading or stops altogether.
+    Stopped,
+    /// The stream of deliveries ended or keeps failing.
+    Lost(&'static str),
+}
+
+/// Hands every delivery to the applier, in stream order, until `stop` or the consumer is lost.
+async fn run_consumer(
+    engine: &Engine,
+    deliveries: aip_bus::DurableSubscription,
+    stop: &CancellationToken,
+    tracker: &TaskTracker,
+) -> ConsumerEnd {
     let prepare_engine = engine.clone();
     let mut chunks = deliveries
         .ready_chunks(CHUNK)
         .map(move |chunk| prepare_chunk(prepare_engine.clone(), chunk))
         .buffered(PIPELINE);
+    let mut failing_chunks = 0;
     loop {
         let next = tokio::select! {
             next = chunks.next() => next,
-            () = stop.cancelled() => return,
+            () = stop.cancelled() => return ConsumerEnd::Stopped,
         };
-        let Some(chunk) = next else {
-            tracing::error!("the frames stream ended");
-            return;
+        let Some((chunk, errors)) = next else {
+            return ConsumerEnd::Lost("the stream of deliveries ended");
         };
+        if chunk.is_empty() && errors > 0 {
+            failing_chunks += 1;
+            if failing_chunks >= LOST_AFTER_ERROR_CHUNKS {
+                return ConsumerEnd::Lost("every receive fails");
+            }
+            continue;
+        }
+        failing_chunks = 0;
         for (delivery, msg_id, event, task) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
@@ -105,10 +152,10 @@ pub async fn consume_frames(
                 ),
             };
             if !engine.send_op(op).await {
-                return;
+                return ConsumerEnd::Stopped;
             }
-            let engine = engine.clone();
-            tracker.spawn(settle(engine, delivery, msg_id, inbound, done));
+            engine.frames.received();
+            tracker.spawn(settle(engine.clone(), delivery, msg_id, inbound, done));
         }
     }
 }
@@ -117,15 +164,17 @@ pub async fn consume_frames(
 type PreparedEvent = (Delivery, String, GatewayEvent, Option<TaskFrame>);
 
 /// Reads and prepares a chunk of stream messages: bodies and events concurrently, then the
-/// chunk's `task` frames together.
+/// chunk's `task` frames together. Also returns how many receives failed.
 async fn prepare_chunk(
     engine: Engine,
     chunk: Vec<Result<Delivery, aip_bus::BusError>>,
-) -> Vec<PreparedEvent> {
+) -> (Vec<PreparedEvent>, u32) {
+    let mut errors = 0;
     let read = futures::future::join_all(chunk.into_iter().filter_map(|d| match d {
         Ok(d) => Some(read_event(&engine, d)),
         Err(e) => {
             tracing::warn!("frames stream: {e}");
+            errors += 1;
             None
         }
     }))
@@ -146,7 +195,7 @@ async fn prepare_chunk(
         prepare_us = started.elapsed().as_micros() as u64,
         "chunk prepared"
     );
-    events
+    let prepared = events
         .into_iter()
         .map(|(delivery, msg_id, event)| {
             let task = match &event {
@@ -157,7 +206,8 @@ async fn prepare_chunk(
             };
             (delivery, msg_id, event, task)
         })
-        .collect()
+        .collect();
+    (prepared, errors)
 }
 
 /// Chunks prepared at once; they reach the applier in stream order.
@@ -180,30 +230,47 @@ async fn settle(
     match outcome {
         Ok(()) => {}
         Err(Failure::Refused(refusal)) => {
-            if let Some(inbound) = &inbound
-                && let Err(e) = engine.refuse_frame(inbound, &msg_id, refusal).await
-            {
-                tracing::warn!(
-                    attempt = delivery.delivered,
-                    "refusal not sent, will retry: {e}"
-                );
-                let _ = delivery.nak(Duration::from_millis(500)).await;
-                return;
+            if let Some(inbound) = &inbound {
+                // A refusal whose database checks keep failing is sent without them rather
+                // than holding the frame, and the frames behind it, forever.
+                let checked = delivery.delivered < REFUSAL_ATTEMPTS;
+                if let Err(e) = engine
+                    .refuse_frame(inbound, &msg_id, refusal, checked)
+                    .await
+                {
+                    tracing::warn!(
+                        attempt = delivery.delivered,
+                        "refusal not sent, will retry: {e}"
+                    );
+                    let _ = delivery.nak(REDELIVERY_DELAY).await;
+                    engine.frames.released();
+                    return;
+                }
             }
         }
         Err(Failure::Store(e)) => {
+            // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
             tracing::warn!(
                 attempt = delivery.delivered,
                 "frame not applied, will retry: {e}"
             );
-            let _ = delivery.nak(Duration::from_millis(500)).await;
+            let _ = delivery.nak(REDELIVERY_DELAY).await;
+            engine.frames.released();
             return;
         }
     }
     if let Err(e) = delivery.ack().await {
         tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
     }
+    engine.frames.acked();
 }
+
+/// How soon a frame handed back is delivered again.
+const REDELIVERY_DELAY: Duration = Duration::from_millis(500);
+
+/// Deliveries of a refused frame after which its refusal is sent without the database checks
+/// that keep failing (was it applied before? has its task ended?).
+const REFUSAL_ATTEMPTS: u64 = 10;
 
 /// Reads one delivery: its message id, and its event (through the blob store for a large
 /// body). `None` when it was settled here: an unreadable event is dropped, a body not
@@ -268,32 +335,61 @@ pub async fn run_planner(
     }
 }
 
-async fn ask_planner(engine: &Engine, request: &PlanRequest) -> PlanStep {
+/// Why the remote planner gave no step. The task fails with [`PlannerError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum PlannerError {
+    /// Nobody listens on the planner subject.
+    #[error(
+        "no planner is running on `{subject}`: start a remote planner, or give the task its steps \
+         (metadata.steps over WebSocket, `steps` over REST)"
+    )]
+    NoPlanner {
+        /// The subject asked.
+        subject: String,
+    },
+    /// The planner answered with an error.
+    #[error("the planner refused: {}", .0.detail)]
+    Refused(ErrorBody),
+    /// The planner's answer could not be read.
+    #[error("the planner's answer is not a PlanReply: {0}")]
+    BadReply(serde_json::Error),
+    /// The request failed or timed out.
+    #[error("the planner did not answer: {0}")]
+    NoAnswer(aip_bus::BusError),
+    /// The request could not be encoded.
+    #[error("the planning request could not be encoded: {0}")]
+    Encode(serde_json::Error),
+}
+
+impl PlannerError {
+    /// The code the task fails with: nothing to ask is the broker's state (UNAVAILABLE); a
+    /// planner that answered badly or not at all failed the task's command.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            PlannerError::NoPlanner { .. } => ErrorCode::Unavailable,
+            PlannerError::Encode(_) => ErrorCode::Internal,
+            PlannerError::Refused(_) | PlannerError::BadReply(_) | PlannerError::NoAnswer(_) => {
+                ErrorCode::CommandFailed
+            }
+        }
+    }
+}
+
+async fn ask_planner(engine: &Engine, request: &PlanRequest) -> Result<PlanStep, PlannerError> {
     let subject = engine.subjects().planner_next();
-    let payload = serde_json::to_vec(request).unwrap_or_default();
+    let payload = serde_json::to_vec(request).map_err(PlannerError::Encode)?;
     let timeout = Duration::from_millis(engine.settings().planner_timeout_ms);
     match engine
         .bus()
         .request(subject.clone(), Headers::new(), payload.into(), timeout)
         .await
     {
-        Ok(reply) => match serde_json::from_slice::<Reply<PlanStep>>(&reply.payload) {
-            Ok(reply) => reply.into_result().unwrap_or_else(|e| PlanStep::Fail {
-                error: format!("the planner refused: {}", e.detail),
-            }),
-            Err(e) => PlanStep::Fail {
-                error: format!("the planner's answer is not a PlanReply: {e}"),
-            },
-        },
-        Err(aip_bus::BusError::NoResponders { .. }) => PlanStep::Fail {
-            error: format!(
-                "no planner is running on `{subject}`: start a remote planner, or give the task its steps \
-                 (metadata.steps over WebSocket, `steps` over REST)"
-            ),
-        },
-        Err(e) => PlanStep::Fail {
-            error: format!("the planner did not answer: {e}"),
-        },
+        Ok(reply) => serde_json::from_slice::<Reply<PlanStep>>(&reply.payload)
+            .map_err(PlannerError::BadReply)?
+            .into_result()
+            .map_err(PlannerError::Refused),
+        Err(aip_bus::BusError::NoResponders { .. }) => Err(PlannerError::NoPlanner { subject }),
+        Err(e) => Err(PlannerError::NoAnswer(e)),
     }
 }
 
@@ -357,7 +453,13 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
             if let Reply::Error(body) = &reply {
                 headers.insert(names::ERROR_CODE, body.error_code.as_str());
             }
-            let payload = serde_json::to_vec(&reply).unwrap_or_default();
+            let payload = match serde_json::to_vec(&reply) {
+                Ok(payload) => payload,
+                Err(e) => {
+                    tracing::error!("a submission's answer could not be encoded, not sent: {e}");
+                    return;
+                }
+            };
             if let Err(e) =
                 aip_bus::respond(engine.bus().as_ref(), &message, headers, payload.into()).await
             {
@@ -368,11 +470,11 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
 }
 
 /// The reply to an accepted submission.
-pub fn accepted(task: &crate::store::TaskRow) -> TaskAccepted {
+pub fn accepted(task: &crate::task::Task) -> TaskAccepted {
     TaskAccepted {
         task_id: task.task_id.clone(),
         task_name: task.task_name.clone(),
-        executor_id: task.executor_id.clone().unwrap_or_default(),
+        executor_id: task.executor.id.clone(),
         state: task.state(),
     }
 }
@@ -390,7 +492,8 @@ pub fn new_task_from_request(
         && !crate::engine::valid_task_name(name)
     {
         return Err(invalid(format!(
-            "Invalid task_name: must be a non-empty string of characters [A-Za-z0-9._-] and must not start with '.' (got {name:?})"
+            "{} (got {name:?})",
+            crate::engine::TASK_NAME_RULE
         )));
     }
     if let Some(id) = &request.task_id
@@ -410,24 +513,26 @@ pub fn new_task_from_request(
             ));
         }
     };
+    let plan = match (request.steps, request.driver) {
+        (Some(_), true) => {
+            return Err(invalid("give `steps` or `driver: true`, not both".into()));
+        }
+        (Some(steps), false) => Plan::Scripted(steps),
+        (None, true) => Plan::Driver,
+        (None, false) => Plan::Remote,
+    };
     Ok(NewTask {
         task_id: request.task_id,
         task_name: request.task_name,
-        request: request.description,
         data: request.data,
-        requester: requester(request.originating_agent_id),
-        placement,
-        plan: match (request.steps, request.driver) {
-            (Some(_), true) => {
-                return Err(invalid("give `steps` or `driver: true`, not both".into()));
-            }
-            (Some(steps), false) => Plan::Scripted(steps),
-            (None, true) => Plan::Driver,
-            (None, false) => Plan::Remote,
-        },
         priority: request.priority.unwrap_or(0),
         callback_url: request.callback_url,
         timeout_secs: request.timeout_secs,
-        ufo_dispatch: false,
+        ..NewTask::new(
+            request.description,
+            requester(request.originating_agent_id),
+            placement,
+            plan,
+        )
     })
 }

@@ -8,10 +8,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use aip_testkit::frames::{command_results_for, device_register};
-use aip_testkit::{Backend, Client, Options, Stack, eventually, get_json, post_json};
+use aip_testkit::{Backend, Client, Options, Service, Stack, eventually, get_json, post_json};
 use serde_json::{Value, json};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 const DEVICES: usize = 6;
 const TASKS_PER_DEVICE: usize = 4;
@@ -19,11 +17,10 @@ const STEPS: usize = 3;
 
 struct Replica {
     url: String,
-    stop: oneshot::Sender<()>,
-    handle: JoinHandle<std::io::Result<()>>,
+    service: Service,
 }
 
-async fn replica(stack: &Stack) -> Replica {
+async fn replica(stack: &Stack, name: &str) -> Replica {
     let mut settings = aip_sessions::Settings {
         subject_prefix: stack.prefix.clone(),
         ..Default::default()
@@ -37,19 +34,16 @@ async fn replica(stack: &Stack) -> Replica {
         .await
         .expect("replica");
     let url = format!("http://{}", app.local_addr());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let handle = tokio::spawn(app.run_until(async move {
-        let _ = stopped.await;
-    }));
-    Replica { url, stop, handle }
+    let service = Service::spawn(name, |stop| app.run_until(stop));
+    Replica { url, service }
 }
 
-async fn readyz(base: &str) -> (u16, String) {
+async fn readyz(base: &str) -> (u16, Value) {
     let response = reqwest::get(format!("{base}/readyz"))
         .await
         .expect("readyz");
     let status = response.status().as_u16();
-    (status, response.text().await.unwrap_or_default())
+    (status, response.json().await.unwrap_or_default())
 }
 
 fn task_body(n: usize) -> Value {
@@ -69,22 +63,27 @@ async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
     let stack = Stack::start(Backend::NatsPostgres, options)
         .await
         .expect("stack");
-    let first = replica(&stack).await;
+    let first = replica(&stack, "the first replica").await;
     eventually("the first replica leads", || async {
         (readyz(&first.url).await.0 == 200).then_some(())
     })
     .await
     .expect("leader");
-    let second = replica(&stack).await;
+    let second = replica(&stack, "the second replica").await;
 
     // Once it has tried to lead, the second replica is a standby: not ready, saying why.
-    let text = eventually("the second replica to find a leader", || async {
-        let (status, text) = readyz(&second.url).await;
-        (status == 503 && text.starts_with("standby")).then_some(text)
+    let body = eventually("the second replica to find a leader", || async {
+        let (status, body) = readyz(&second.url).await;
+        (status == 503 && body["role"] == "standby").then_some(body)
     })
     .await
     .expect("standby");
-    assert!(text.contains("another replica leads"), "{text}");
+    assert_eq!(body["status"], "not_ready", "{body}");
+    let why = body["checks"]["leadership"]["detail"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.contains("another replica leads"), "{body}");
+    assert_eq!(body["checks"]["database"]["ok"], true, "{body}");
     assert_eq!(
         readyz(&first.url).await.0,
         200,
@@ -143,8 +142,7 @@ async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
     assert_eq!(status, 200, "{task}");
 
     // The leader stops with tasks mid-flight; the standby takes over and finishes them.
-    let _ = first.stop.send(());
-    let _ = first.handle.await;
+    first.service.stop().await;
     eventually("the second replica leads", || async {
         (readyz(&second.url).await.0 == 200).then_some(())
     })
@@ -199,7 +197,6 @@ async fn a_standby_takes_over_from_the_leader_without_corrupting_a_task() {
     for d in devices {
         d.abort();
     }
-    let _ = second.stop.send(());
-    let _ = second.handle.await;
+    second.service.stop().await;
     stack.stop().await;
 }

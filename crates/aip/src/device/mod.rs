@@ -150,8 +150,10 @@ impl Device {
             () = stop.cancelled() => return Ok(Ended::Stopped),
         };
         let (mut sink, mut stream) = ws.split();
-        let register = to_text(&self.register_frame());
-        sink.send(Message::Text(register.into()))
+        let register = text_message(&self.register_frame()).ok_or_else(|| {
+            ConnectError::Retry("the REGISTER frame could not be encoded".to_owned())
+        })?;
+        sink.send(register)
             .await
             .map_err(|e| ConnectError::Retry(format!("cannot send REGISTER: {e}")))?;
         let first = tokio::select! {
@@ -174,7 +176,7 @@ impl Device {
                 let reason = answer
                     .error
                     .clone()
-                    .unwrap_or_else(|| format!("unexpected answer: {}", to_text(&answer)));
+                    .unwrap_or_else(|| format!("unexpected answer: {answer:?}"));
                 return Ok(Ended::Refused(reason));
             }
         }
@@ -216,7 +218,9 @@ impl Device {
                     break Ended::Stopped;
                 }
                 _ = heartbeat.tick() => {
-                    let _ = out_tx.send(Message::Text(to_text(&self.heartbeat_frame()).into())).await;
+                    if let Some(heartbeat) = text_message(&self.heartbeat_frame()) {
+                        let _ = out_tx.send(heartbeat).await;
+                    }
                 }
                 next = stream.next() => match next {
                     Some(Ok(Message::Text(text))) => self.on_text(text.as_str(), &out_tx),
@@ -280,11 +284,10 @@ impl Device {
                             action.tool_name
                         );
                     }
-                    if out
-                        .send(Message::Text(to_text(&answer).into()))
-                        .await
-                        .is_err()
-                    {
+                    let Some(answer) = text_message(&answer) else {
+                        return;
+                    };
+                    if out.send(answer).await.is_err() {
                         say!(
                             "task {session}: the connection closed before the results could be sent"
                         );
@@ -303,8 +306,10 @@ impl Device {
                     frame.task_name.as_deref().unwrap_or("-"),
                     frame.user_request.as_deref().unwrap_or("")
                 );
-                let echo = to_text(&self.echo_task(&frame));
-                if out.try_send(Message::Text(echo.into())).is_err() {
+                let Some(echo) = text_message(&self.echo_task(&frame)) else {
+                    return;
+                };
+                if out.try_send(echo).is_err() {
                     say!("task {session}: could not answer (connection busy or closed)");
                 }
             }
@@ -365,8 +370,16 @@ where
     }
 }
 
-fn to_text<T: serde::Serialize>(frame: &T) -> String {
-    serde_json::to_string(frame).unwrap_or_default()
+/// A frame as a WebSocket text message. A frame that cannot be encoded is reported and not
+/// sent: an empty message would reach the broker as a protocol error.
+fn text_message<T: serde::Serialize>(frame: &T) -> Option<Message> {
+    match serde_json::to_string(frame) {
+        Ok(text) => Some(Message::Text(text.into())),
+        Err(e) => {
+            say!("a frame could not be encoded and is not sent: {e}");
+            None
+        }
+    }
 }
 
 fn connect_error(error: tokio_tungstenite::tungstenite::Error) -> ConnectError {
@@ -497,7 +510,7 @@ mod tests {
 
     #[test]
     fn register_is_a_valid_device_registration_with_capabilities_and_tools() {
-        let text = to_text(&device().register_frame());
+        let text = serde_json::to_string(&device().register_frame()).expect("encodes");
         let frame = parse_client_frame(text.as_bytes()).expect("valid frame");
         let details = register_details(&frame).expect("valid registration");
         assert!(
@@ -530,7 +543,7 @@ mod tests {
         );
         command.task_name = Some("t".into());
         let answer = device().answer(&command).await;
-        let text = to_text(&answer);
+        let text = serde_json::to_string(&answer).expect("encodes");
         let frame = parse_client_frame(text.as_bytes()).expect("valid frame");
         assert_eq!(frame.kind, ClientMessageType::CommandResults);
         assert_eq!(frame.status, TaskStatus::Continue);

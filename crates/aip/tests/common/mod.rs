@@ -1,5 +1,7 @@
 //! Running `aip` as real processes in tests: start, read output, wait on conditions with
-//! deadlines, and kill on drop so a failing test leaves nothing running.
+//! deadlines, and kill on drop so a failing test leaves nothing running. A process that
+//! exits by itself while the test still counts on it (nobody waited for its exit) fails the
+//! test when it is dropped.
 
 #![allow(dead_code)]
 
@@ -29,14 +31,12 @@ pub fn workspace_root() -> PathBuf {
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
-    /// Creates one.
     pub fn new(tag: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("aip-{tag}-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         TempDir(dir)
     }
 
-    /// Its path.
     pub fn path(&self) -> &Path {
         &self.0
     }
@@ -56,6 +56,9 @@ pub struct Proc {
     stderr: Arc<Mutex<String>>,
     /// The threads copying stdout and stderr; they end when the process closes its pipes.
     readers: Vec<std::thread::JoinHandle<()>>,
+    /// Set once the test has waited for the exit ([`Proc::wait_exit`], [`Proc::terminate`]):
+    /// an exit before that is a death.
+    exit_expected: bool,
 }
 
 fn collect<R: Read + Send + 'static>(
@@ -106,6 +109,7 @@ impl Proc {
             stdout,
             stderr,
             readers,
+            exit_expected: false,
         }
     }
 
@@ -114,7 +118,6 @@ impl Proc {
         Proc::spawn(name, aip_bin(), args, &[])
     }
 
-    /// Its stdout so far.
     pub fn stdout(&self) -> String {
         self.stdout
             .lock()
@@ -122,7 +125,6 @@ impl Proc {
             .clone()
     }
 
-    /// Its stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr
             .lock()
@@ -177,6 +179,7 @@ impl Proc {
 
     /// Waits for the process to exit by itself, at most `WAIT`.
     pub fn wait_exit(&mut self) -> ExitStatus {
+        self.exit_expected = true;
         let deadline = Instant::now() + WAIT;
         loop {
             if let Some(status) = self.try_status() {
@@ -213,12 +216,21 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            if child.try_wait().ok().flatten().is_none() {
+            let exited = child.try_wait().ok().flatten();
+            if exited.is_none() {
                 let _ = child.kill();
                 let _ = child.wait();
             }
             if std::thread::panicking() {
                 eprintln!("{}", self.output());
+            } else if let Some(status) = exited
+                && !self.exit_expected
+            {
+                panic!(
+                    "{} exited by itself during the test ({status})\n{}",
+                    self.name,
+                    self.output()
+                );
             }
         }
     }
@@ -227,11 +239,8 @@ impl Drop for Proc {
 /// A finished `aip …` run.
 #[derive(Debug)]
 pub struct Run {
-    /// Its exit code.
     pub code: Option<i32>,
-    /// Its stdout.
     pub stdout: String,
-    /// Its stderr.
     pub stderr: String,
 }
 

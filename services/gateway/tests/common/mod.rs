@@ -1,9 +1,8 @@
 //! Shared helpers of the gateway's integration tests.
 //!
-//! - [`Ws`]: a WebSocket client that checks **every** frame the server sends against UFO's
-//!   own `ServerMessage` schema (`proto-schemas/tests/data/ufo-aip.schema.json`) before the
-//!   test sees it, can send what UFO clients never do (binary frames, pings, oversized
-//!   frames, an `Authorization` header), and can stay silent (no reads, hence no pongs);
+//! - [`Ws`]: the test kit's WebSocket client, checking **every** frame the server sends
+//!   against UFO's own `ServerMessage` schema (`proto-schemas/tests/data/ufo-aip.schema.json`)
+//!   before the test sees it, with panicking shortcuts and exact-shape assertions;
 //! - REST helpers for the registry (`/api/clients`, `/api/agents/{id}`);
 //! - assertions on the exact shapes of the registration answer and of ERROR frames.
 //!
@@ -15,15 +14,11 @@ use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use aip_testkit::{Stack, WAIT, eventually};
-use anyhow::{Context, anyhow, bail};
-use futures::{SinkExt, StreamExt};
+use aip_testkit::{Client, ConnectError, RunningGateway, Stack, eventually};
+pub use aip_testkit::{Closed, Refusal, get_json};
 use serde_json::Value;
 use tokio::net::TcpStream;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::http::HeaderValue;
-use tokio_tungstenite::tungstenite::{self, Message};
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use tokio_tungstenite::tungstenite::Message;
 
 /// UFO's `ServerMessage` model as a JSON Schema validator, built once.
 fn server_message_schema() -> &'static jsonschema::Validator {
@@ -53,34 +48,19 @@ pub fn assert_ufo_server_message(frame: &Value) {
     );
 }
 
-/// How a connection ended, as the client saw it.
-#[derive(Debug, Clone)]
-pub struct Closed {
-    /// The close code, if the server sent a close frame with one.
-    pub code: Option<u16>,
-    /// The close reason.
-    pub reason: String,
-    /// Text frames received before the close (each already validated).
-    pub frames: Vec<Value>,
-}
-
-type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
-
-/// A WebSocket client whose every received text frame is validated against UFO's schema.
+/// A WebSocket client (the test kit's) whose every received text frame is validated
+/// against UFO's schema, with panicking shortcuts for the gateway's tests.
 pub struct Ws {
-    ws: Socket,
-}
-
-/// What a refused handshake returned.
-#[derive(Debug)]
-pub struct Refusal {
-    /// HTTP status.
-    pub status: u16,
-    /// The body, as JSON if it is JSON.
-    pub body: Value,
+    client: Client,
 }
 
 impl Ws {
+    fn new(client: Client) -> Ws {
+        Ws {
+            client: client.checked(assert_ufo_server_message),
+        }
+    }
+
     /// Connects; panics if the handshake is refused.
     pub async fn connect(url: &str) -> Ws {
         Self::try_connect(url)
@@ -90,32 +70,19 @@ impl Ws {
 
     /// Connects with an `Authorization: Bearer` header.
     pub async fn connect_bearer(url: &str, token: &str) -> Result<Ws, Refusal> {
-        let mut request = url.into_client_request().expect("a valid ws URL");
-        request.headers_mut().insert(
-            "Authorization",
-            HeaderValue::from_str(&format!("Bearer {token}")).expect("a header value"),
-        );
-        Self::handshake(request).await
+        let bearer = format!("Bearer {token}");
+        Self::handshake(url, &[("Authorization", &bearer)]).await
     }
 
     /// Connects, returning the refusal if the handshake is refused.
     pub async fn try_connect(url: &str) -> Result<Ws, Refusal> {
-        let request = url.into_client_request().expect("a valid ws URL");
-        Self::handshake(request).await
+        Self::handshake(url, &[]).await
     }
 
-    async fn handshake(request: tungstenite::handshake::client::Request) -> Result<Ws, Refusal> {
-        match tokio_tungstenite::connect_async(request).await {
-            Ok((ws, _)) => Ok(Ws { ws }),
-            Err(tungstenite::Error::Http(response)) => {
-                let status = response.status().as_u16();
-                let body = response
-                    .body()
-                    .as_deref()
-                    .and_then(|b| serde_json::from_slice(b).ok())
-                    .unwrap_or(Value::Null);
-                Err(Refusal { status, body })
-            }
+    async fn handshake(url: &str, headers: &[(&str, &str)]) -> Result<Ws, Refusal> {
+        match Client::connect_with(url, headers).await {
+            Ok(client) => Ok(Ws::new(client)),
+            Err(ConnectError::Refused(refusal)) => Err(refusal),
             Err(e) => panic!("handshake failed without an HTTP answer: {e}"),
         }
     }
@@ -128,60 +95,36 @@ impl Ws {
         }
     }
 
-    /// Sends a JSON frame.
     pub async fn send(&mut self, frame: &Value) {
-        self.send_text(&frame.to_string()).await;
+        self.client.send(frame).await.expect("sending a text frame");
     }
 
-    /// Sends raw text.
     pub async fn send_text(&mut self, text: &str) {
-        self.ws
-            .send(Message::Text(text.into()))
+        self.client
+            .send_text(text)
             .await
             .expect("sending a text frame");
     }
 
-    /// Sends a binary frame.
     pub async fn send_binary(&mut self, bytes: Vec<u8>) {
-        self.ws
-            .send(Message::Binary(bytes.into()))
+        self.client
+            .send_binary(bytes)
             .await
             .expect("sending a binary frame");
     }
 
-    /// Sends a WebSocket ping.
     pub async fn send_ping(&mut self) -> anyhow::Result<()> {
-        self.ws.send(Message::Ping(Default::default())).await?;
-        Ok(())
+        self.client.send_ping().await
     }
 
     /// Sends a raw message, reporting failure (e.g. the server already closed).
     pub async fn try_send(&mut self, message: Message) -> anyhow::Result<()> {
-        self.ws.send(message).await?;
-        Ok(())
+        self.client.send_message(message).await
     }
 
     /// The next text frame (pings and pongs skipped) within `WAIT`, validated.
     pub async fn recv(&mut self) -> anyhow::Result<Value> {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let next = tokio::time::timeout_at(deadline, self.ws.next())
-                .await
-                .map_err(|_| anyhow!("no frame within {WAIT:?}"))?;
-            match next {
-                None => bail!("connection closed"),
-                Some(Err(e)) => bail!("connection failed: {e}"),
-                Some(Ok(Message::Text(text))) => return Ok(parse_server_frame(text.as_str())),
-                Some(Ok(Message::Close(frame))) => bail!(
-                    "connection closed: {:?}",
-                    frame.map(|f| (u16::from(f.code), f.reason.to_string()))
-                ),
-                Some(Ok(Message::Binary(b))) => {
-                    panic!("the gateway sent a binary frame ({} bytes)", b.len())
-                }
-                Some(Ok(_)) => {}
-            }
-        }
+        self.client.recv().await
     }
 
     /// The next frame, which must be of type `kind`.
@@ -220,66 +163,20 @@ impl Ws {
 
     /// Reads until the server closes; returns the close code, reason and frames before it.
     pub async fn closed(&mut self) -> Closed {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        let mut frames = Vec::new();
-        loop {
-            let next = tokio::time::timeout_at(deadline, self.ws.next())
-                .await
-                .unwrap_or_else(|_| {
-                    panic!("not closed within {WAIT:?}; frames so far: {frames:?}")
-                });
-            match next {
-                None | Some(Err(_)) => {
-                    return Closed {
-                        code: None,
-                        reason: String::new(),
-                        frames,
-                    };
-                }
-                Some(Ok(Message::Close(frame))) => {
-                    // Send the answer tungstenite queued, completing the closing handshake.
-                    let _ = self.ws.flush().await;
-                    return Closed {
-                        code: frame.as_ref().map(|f| u16::from(f.code)),
-                        reason: frame.map(|f| f.reason.to_string()).unwrap_or_default(),
-                        frames,
-                    };
-                }
-                Some(Ok(Message::Text(text))) => frames.push(parse_server_frame(text.as_str())),
-                Some(Ok(_)) => {}
-            }
-        }
+        self.client
+            .closed()
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"))
     }
 
     /// Reads (answering pings) for `quiet`; fails if anything but a ping or pong arrives.
     pub async fn idle(&mut self, quiet: Duration) -> anyhow::Result<()> {
-        let deadline = tokio::time::Instant::now() + quiet;
-        loop {
-            match tokio::time::timeout_at(deadline, self.ws.next()).await {
-                Err(_) => return Ok(()),
-                Ok(Some(Ok(Message::Ping(_) | Message::Pong(_)))) => {}
-                Ok(Some(Ok(Message::Text(text)))) => {
-                    bail!(
-                        "expected nothing, got {}",
-                        parse_server_frame(text.as_str())
-                    )
-                }
-                Ok(other) => bail!("expected nothing, got {other:?}"),
-            }
-        }
+        self.client.expect_silence(quiet).await
     }
 
-    /// Closes the connection.
-    pub async fn close(mut self) {
-        let _ = self.ws.close(None).await;
+    pub async fn close(self) {
+        self.client.close().await;
     }
-}
-
-fn parse_server_frame(text: &str) -> Value {
-    let frame: Value = serde_json::from_str(text)
-        .unwrap_or_else(|e| panic!("the gateway sent text that is not JSON ({e}): {text}"));
-    assert_ufo_server_message(&frame);
-    frame
 }
 
 /// The answer to a heartbeat: `{type:heartbeat,status:ok,timestamp,response_id}`.
@@ -365,15 +262,6 @@ pub async fn refused_registration(url: &str, frame: &Value, code: &str, text: &s
 
 // ---------------------------------------------------------------------------------------
 // REST
-
-/// GET `url` → (status, JSON body or null).
-pub async fn get_json(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url)
-        .await
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
 
 /// `/api/clients`'s `online_clients`.
 pub async fn online_clients(base: &str) -> Vec<String> {
@@ -515,29 +403,14 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
-/// Starts a gateway of `stack` with modified settings (for knobs the test kit lacks).
-/// Returns its `ws://` URL, and a sender that stops it.
+/// Starts a gateway of `stack` with modified settings (for knobs the test kit lacks); the
+/// test stops it (a failure of the gateway then fails the test).
 pub async fn custom_gateway(
     stack: &Stack,
     change: impl FnOnce(&mut aip_gateway::Settings),
-) -> (
-    String,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
-    let mut settings = stack.gateway_settings();
-    change(&mut settings);
-    let app = aip_gateway::Application::build(settings, stack.bus.clone())
+) -> RunningGateway {
+    stack
+        .start_gateway(change)
         .await
-        .context("gateway")
-        .expect("the gateway builds");
-    let url = format!("ws://{}/ws", app.local_addr());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let handle = tokio::spawn(async move {
-        let stop = async move {
-            let _ = rx.await;
-        };
-        app.run_until(stop).await.expect("the gateway runs");
-    });
-    (url, tx, handle)
+        .expect("the gateway builds")
 }

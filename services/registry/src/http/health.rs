@@ -1,13 +1,9 @@
-//! Health: UFO's `/api/clients` and `/api/health`, and the probes `/healthz` and `/readyz`.
-
-use std::time::Duration;
+//! Health in UFO's words: `/api/clients` and `/api/health`. The probes `/healthz` and
+//! `/readyz` are [`aip_runtime::health`]'s, as on every service.
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use serde_json::json;
 
 use super::AppState;
 use super::error::ApiError;
@@ -41,29 +37,4 @@ pub async fn health(State(state): State<AppState>) -> Result<Json<Health>, ApiEr
         status: "healthy",
         online_clients: state.store.online_ids().await?,
     }))
-}
-
-/// `GET /healthz`: the process is up (liveness probe).
-pub async fn healthz() -> Json<serde_json::Value> {
-    Json(json!({"status": "ok"}))
-}
-
-/// How long `/readyz` waits for the database.
-const READY_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// `GET /readyz`: the database answers (readiness probe); 503 with the reason otherwise.
-pub async fn readyz(State(state): State<AppState>) -> Response {
-    match tokio::time::timeout(READY_TIMEOUT, state.store.ping()).await {
-        Ok(Ok(())) => Json(json!({"status": "ready"})).into_response(),
-        Ok(Err(e)) => {
-            tracing::warn!("not ready: {e}");
-            (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "detail": e.to_string()})))
-                .into_response()
-        }
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "unavailable", "detail": format!("the database did not answer within {READY_TIMEOUT:?}")})),
-        )
-            .into_response(),
-    }
 }

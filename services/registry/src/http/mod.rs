@@ -2,7 +2,8 @@
 //!
 //! - `GET /api/agents`, `GET /api/agents/{id}`: agents as [`AgentRecord`]s;
 //! - `GET /api/clients`, `GET /api/health`: UFO's paths and exact shapes;
-//! - `GET /healthz`, `GET /readyz`: probes, without authentication;
+//! - `GET /healthz`, `GET /readyz`: probes, without authentication, merged in by
+//!   [`crate::Application`] ([`aip_runtime::health`]);
 //! - `GET /openapi.json`: the OpenAPI document ([`openapi`]), generated from the handlers and
 //!   checked in as `services/registry/openapi.json`.
 //!
@@ -59,8 +60,6 @@ pub fn router(state: AppState, keys: ApiKeys) -> Router {
     Router::new()
         .nest("/api", api)
         .route("/openapi.json", get(move || async move { Json(document) }))
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
         .fallback(not_found)
         .with_state(state)
         .layer(TraceLayer::new_for_http())

@@ -1,32 +1,118 @@
-//! Where agents are kept: the [`AgentStore`] trait and its two implementations,
-//! [`PgAgentStore`] (PostgreSQL) and [`SqliteAgentStore`] (SQLite, the embedded mode).
+//! Where agents are kept: the [`AgentStore`] trait and [`SqlAgentStore`], its one
+//! implementation, on PostgreSQL or SQLite.
 //!
 //! The store knows tables and transactions, not policy: whether a registration may replace
 //! the current holder of an id is decided by the caller's [`Admit`] function, which the store
 //! calls inside the transaction that holds the row, so the decision and the write are atomic
 //! even with several registry replicas. Liveness windows are passed in by the caller.
+//!
+//! Statements are written once with the dialect fragments of `aip_store::Backend`; where the
+//! databases need different statements, the difference is stated next to the shared code:
+//! PostgreSQL writes a batch of registrations or a presence flush in one statement over
+//! arrays (a round trip saved per row), SQLite (in this process, no round trips) row by row;
+//! reaping locks rows on PostgreSQL only, where replicas race. Times come from the database
+//! clock (`now()`; SQLite's clock is this machine's), so replicas judge liveness alike.
 
-mod postgres;
-mod sqlite;
+mod batch;
+mod liveness;
+mod reads;
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use aip_store::Database;
-use chrono::{DateTime, Utc};
+use aip_store::{Database, Timestamp};
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
 use proto_schemas::{ClientType, ErrorBody, Extension, McpToolInfo, Platform};
 use serde_json::Value;
+use sqlx::types::Json;
 
-pub use self::postgres::PgAgentStore;
-pub use self::sqlite::SqliteAgentStore;
-
-/// The store for a database.
+/// The store for a database (migrated).
 pub fn for_database(db: &Database) -> Arc<dyn AgentStore> {
-    match db {
-        Database::Postgres(pool) => Arc::new(PgAgentStore::new(pool.clone())),
-        Database::Sqlite(pool) => Arc::new(SqliteAgentStore::new(pool.clone())),
+    Arc::new(SqlAgentStore::new(db.clone()))
+}
+
+/// The agents and gateways tables, on either database.
+#[derive(Debug)]
+pub struct SqlAgentStore {
+    db: Database,
+    /// When this store last recorded each registering gateway as alive
+    /// (see [`batch::GATEWAY_REFRESH`]).
+    gateways_refreshed: Mutex<HashMap<String, Instant>>,
+}
+
+impl SqlAgentStore {
+    /// A store on `db` (migrated).
+    pub fn new(db: Database) -> Self {
+        SqlAgentStore {
+            db,
+            gateways_refreshed: Mutex::default(),
+        }
+    }
+}
+
+impl AgentStore for SqlAgentStore {
+    fn write_batch<'a>(
+        &'a self,
+        batch: &'a WriteBatch,
+        windows: &'a Windows,
+        admit: &'a Admit,
+    ) -> BoxFuture<'a, Result<BatchOutcome, StoreError>> {
+        self.write(batch, windows, admit).boxed()
+    }
+
+    fn is_live_device<'a>(
+        &'a self,
+        agent_id: &'a str,
+        windows: &'a Windows,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.live_device(agent_id, windows).boxed()
+    }
+
+    fn get<'a>(
+        &'a self,
+        agent_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<AgentRecord>, StoreError>> {
+        self.agent(agent_id).boxed()
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        query: &'a LookupQuery,
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>> {
+        self.live_agents(query).boxed()
+    }
+
+    fn list<'a>(
+        &'a self,
+        filter: &'a AgentFilter,
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>> {
+        self.agents(filter).boxed()
+    }
+
+    fn online_ids(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        self.online().boxed()
+    }
+
+    fn apply_presence<'a>(
+        &'a self,
+        flush: &'a PresenceFlush,
+    ) -> BoxFuture<'a, Result<PresenceApplied, StoreError>> {
+        self.presence(flush).boxed()
+    }
+
+    fn reap<'a>(
+        &'a self,
+        windows: &'a Windows,
+        forget_gateways_after: Duration,
+    ) -> BoxFuture<'a, Result<Vec<String>, StoreError>> {
+        self.expire(windows, forget_gateways_after).boxed()
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move { Ok(self.db.ping().await?) }.boxed()
     }
 }
 
@@ -45,10 +131,9 @@ pub trait AgentStore: Send + Sync + 'static {
     /// offline if its connection still holds it, and says whether it went offline (false:
     /// another connection holds the id, or it was offline already); a connection that ended
     /// is never brought back by a late presence report. A registration records its gateway
-    /// as alive (PostgreSQL: in a statement of its own before the transaction, at most every
-    /// half second per gateway), then, holding the id's row (or the right to create it), asks
-    /// `admit` about
-    /// the current holder and writes the new entry if admitted. The new entry is `available`,
+    /// as alive (in a statement of its own before the transaction, at most every half second
+    /// per gateway), then, holding the id's row (or the right to create it), asks `admit`
+    /// about the current holder and writes the new entry if admitted. The new entry is `available`,
     /// seen now; `connected_at` and `load` are kept only when the same connection registers
     /// again.
     ///
@@ -118,9 +203,9 @@ pub type Admit =
 /// Writes for one transaction ([`AgentStore::write_batch`]); no two name the same agent.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct WriteBatch {
-    /// Connections that ended.
+    /// Connections that ended; applied first.
     pub unregisters: Vec<Unregister>,
-    /// Registrations.
+    /// Registrations, each judged by the batch's [`Admit`] function.
     pub registers: Vec<RegisterAgent>,
 }
 
@@ -147,9 +232,9 @@ impl WriteBatch {
 /// The end of a connection: the agent goes offline if that connection still holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unregister {
-    /// The agent.
+    /// The agent the connection held.
     pub agent_id: String,
-    /// The connection that ended.
+    /// The connection that ended: if another one holds the agent now, nothing changes.
     pub connection_id: String,
 }
 
@@ -165,11 +250,11 @@ pub struct BatchOutcome {
 /// The current holder of an id, as read under the row lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
-    /// Its connection.
+    /// The connection to close if a registration takes the id over.
     pub connection_id: String,
-    /// The credential that registered it.
+    /// The credential that registered it, told apart from the newcomer's.
     pub principal: String,
-    /// Its stored status.
+    /// As stored (an offline holder may still be live by the clock, or the reverse).
     pub status: AgentStatus,
     /// Not offline, seen within the agent window and held by a gateway seen within the
     /// gateway window.
@@ -179,7 +264,7 @@ pub struct Holder {
 /// The outcome of a registration.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RegisterOutcome {
-    /// Written.
+    /// Committed: the record as stored, and the connection it replaced.
     Registered(Box<Registered>),
     /// Refused by the [`Admit`] function; nothing was written.
     Refused(ErrorBody),
@@ -261,9 +346,9 @@ pub enum StoreError {
     /// A stored row cannot be read back (written by an incompatible build?).
     #[error("stored agent `{agent_id}` cannot be read: {detail}")]
     Corrupt {
-        /// The agent.
+        /// Whose row, so that it can be found and repaired.
         agent_id: String,
-        /// What is wrong.
+        /// Which column holds what this build cannot read.
         detail: String,
     },
     /// A concurrent registration of the same id got in the way, in a way this transaction
@@ -272,7 +357,7 @@ pub enum StoreError {
         "registration of `{agent_id}` collided with a concurrent registration of the same id; try again"
     )]
     Contention {
-        /// The agent.
+        /// The id both registrations named.
         agent_id: String,
     },
     /// The transaction of a batch failed: every write of the batch gets this error.
@@ -310,32 +395,34 @@ impl From<sqlx::Error> for StoreError {
     }
 }
 
-/// The columns of an agent, in the order every `SELECT`/`RETURNING` lists them.
+/// The columns of an agent, as [`AgentRow`] reads them.
 pub(crate) const AGENT_COLUMNS: &str = "a.agent_id, a.client_type, a.platform, a.status, a.capabilities, a.tools, \
      a.system_info, a.metadata, a.extensions, a.target_id, a.gateway_id, a.connection_id, a.load, \
      a.connected_at, a.last_seen";
 
-/// [`AGENT_COLUMNS`] without the table alias, for `RETURNING` clauses.
+/// [`AGENT_COLUMNS`] without the table alias, for `RETURNING` clauses of statements that
+/// name the table without one (SQLite allows no alias there).
 pub(crate) const RETURNING_COLUMNS: &str = "agent_id, client_type, platform, status, capabilities, tools, \
      system_info, metadata, extensions, target_id, gateway_id, connection_id, load, connected_at, last_seen";
 
 /// One agent row as read from either database, before validation.
+#[derive(sqlx::FromRow)]
 pub(crate) struct AgentRow {
-    pub agent_id: String,
-    pub client_type: String,
-    pub platform: String,
-    pub status: String,
-    pub capabilities: Vec<String>,
-    pub tools: Value,
-    pub system_info: Option<Value>,
-    pub metadata: Option<Value>,
-    pub extensions: Vec<String>,
-    pub target_id: Option<String>,
-    pub gateway_id: String,
-    pub connection_id: String,
-    pub load: i32,
-    pub connected_at: DateTime<Utc>,
-    pub last_seen: DateTime<Utc>,
+    agent_id: String,
+    client_type: String,
+    platform: String,
+    status: String,
+    capabilities: Json<Vec<String>>,
+    tools: Json<Value>,
+    system_info: Option<Json<Value>>,
+    metadata: Option<Json<Value>>,
+    extensions: Json<Vec<String>>,
+    target_id: Option<String>,
+    gateway_id: String,
+    connection_id: String,
+    load: i32,
+    connected_at: Timestamp,
+    last_seen: Timestamp,
 }
 
 impl AgentRow {
@@ -352,10 +439,11 @@ impl AgentRow {
             .ok_or_else(|| corrupt(format!("unknown platform `{}`", self.platform)))?;
         let status = AgentStatus::from_wire(&self.status)
             .ok_or_else(|| corrupt(format!("unknown status `{}`", self.status)))?;
-        let tools: Vec<McpToolInfo> = serde_json::from_value(self.tools.clone())
+        let tools: Vec<McpToolInfo> = serde_json::from_value(self.tools.0.clone())
             .map_err(|e| corrupt(format!("tools: {e}")))?;
         let extensions = self
             .extensions
+            .0
             .iter()
             .filter_map(|e| Extension::from_wire(e))
             .collect();
@@ -364,17 +452,17 @@ impl AgentRow {
             client_type,
             status,
             platform,
-            capabilities: self.capabilities,
+            capabilities: self.capabilities.0,
             tools,
-            system_info: self.system_info,
-            metadata: self.metadata,
+            system_info: self.system_info.map(|j| j.0),
+            metadata: self.metadata.map(|j| j.0),
             extensions,
             target_id: self.target_id,
             gateway_id: self.gateway_id,
             connection_id: self.connection_id,
             load: self.load,
-            connected_at: self.connected_at,
-            last_seen: self.last_seen,
+            connected_at: self.connected_at.0,
+            last_seen: self.last_seen.0,
         })
     }
 }
@@ -384,7 +472,8 @@ pub(crate) fn extension_names(extensions: &[Extension]) -> Vec<&'static str> {
     extensions.iter().map(|e| e.as_str()).collect()
 }
 
-/// Milliseconds of a duration, for binding.
+/// Milliseconds of a window, bound where `aip_store::Backend::ago` reads them (a window too
+/// long for an `i64` is as good as forever).
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

@@ -1,21 +1,17 @@
-//! Test harness: a real registry on a real bus and a real database, one per test.
-//!
-//! [`Backend::NatsPostgres`] uses the NATS server at `NATS_URL` (default
-//! `nats://127.0.0.1:4222`) and a fresh PostgreSQL database on `DATABASE_URL`;
-//! [`Backend::LocalSqlite`] the in-process bus and a temporary SQLite file. Each test gets its
-//! own subject prefix (`t_<uuid>`) and database, so tests run in parallel without clashing.
+//! The registry under test: a real registry (and replicas) on the test kit's bus and
+//! database ([`aip_testkit::Infra`]), one per test, with helpers to call it over the bus and
+//! to stage situations directly in its database. Its run loops are the kit's checked
+//! [`Service`]s, so a registry that fails, panics or dies fails the test.
 
 #![allow(dead_code, missing_docs)]
 
-use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use aip_bus::{Headers, LocalBus, NatsBus, SharedBus, names};
-use aip_registry::{Application, RegistrySettings, RunError, Settings};
+use aip_bus::{Headers, NatsBus, SharedBus, names};
+use aip_registry::{Application, RegistrySettings, Settings};
 use aip_store::Database;
-use aip_store::testing::TestDatabase;
+use aip_testkit::{Backend, Infra, Service};
 use proto_schemas::registry::{
     AgentRecord, AgentStatus, GetAgent, LookupAgents, PresenceBatch, PresenceEntry, RegisterAgent,
     Registered, Reply, UnregisterAgent, Unregistered,
@@ -23,35 +19,6 @@ use proto_schemas::registry::{
 use proto_schemas::{ClientType, ErrorBody, Platform, Subjects, V1};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-
-/// Bus and database of one test run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// NATS + PostgreSQL (the distributed mode).
-    NatsPostgres,
-    /// In-process bus + SQLite (the embedded mode).
-    LocalSqlite,
-}
-
-/// Runs a test body once per backend, as two `#[tokio::test]`s in a module named after it.
-#[macro_export]
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn nats_postgres() {
-                super::$name($crate::common::Backend::NatsPostgres).await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn local_sqlite() {
-                super::$name($crate::common::Backend::LocalSqlite).await
-            }
-        }
-    )*};
-}
 
 /// What a test may change in the registry's settings.
 #[derive(Debug, Clone)]
@@ -96,42 +63,37 @@ impl Options {
 /// One running registry.
 pub struct Running {
     pub http_addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<Result<(), RunError>>>,
+    /// `None` once stopped.
+    service: Option<Service>,
     /// A pool of its own, closed when it stops (the main replica shares the test's pool).
     own_db: Option<Database>,
 }
 
 impl Running {
-    async fn start(settings: Settings, bus: SharedBus, db: Database, owns_db: bool) -> Running {
+    async fn start(
+        name: &str,
+        settings: Settings,
+        bus: SharedBus,
+        db: Database,
+        owns_db: bool,
+    ) -> Running {
         let own_db = owns_db.then(|| db.clone());
         let app = Application::build(settings, bus, db)
             .await
             .expect("registry builds");
         let http_addr = app.http_addr();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(app.run_until_stopped(async {
-            let _ = stopped.await;
-        }));
+        let service = Service::spawn(name, |stop| app.run_until_stopped(stop));
         Running {
             http_addr,
-            stop: Some(stop),
-            task: Some(task),
+            service: Some(service),
             own_db,
         }
     }
 
-    /// Stops it (as SIGTERM would) and waits for the drain.
+    /// Stops it (as SIGTERM would) and waits for the drain; panics unless it stops cleanly.
     pub async fn stop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(task) = self.task.take() {
-            let result = tokio::time::timeout(Duration::from_secs(15), task)
-                .await
-                .expect("the registry drains within 15 s")
-                .expect("the registry task does not panic");
-            result.expect("the registry stops cleanly");
+        if let Some(service) = self.service.take() {
+            service.stop().await;
         }
         if let Some(db) = self.own_db.take() {
             db.close().await;
@@ -151,38 +113,20 @@ pub struct TestApp {
     pub main: Running,
     pub replicas: Vec<Running>,
     pub db: Database,
-    test_db: Option<TestDatabase>,
-}
-
-fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+    /// `None` once stopped.
+    infra: Option<Infra>,
 }
 
 impl TestApp {
     /// Starts a registry on `backend`.
     pub async fn spawn(backend: Backend, options: Options) -> TestApp {
-        aip_runtime::install_crypto_provider();
         aip_runtime::telemetry::init(aip_runtime::telemetry::LogFormat::Pretty, "error");
-        let prefix = format!("t_{}", uuid::Uuid::new_v4().simple());
-        let (bus, nats, test_db): (SharedBus, Option<NatsBus>, TestDatabase) = match backend {
-            Backend::NatsPostgres => {
-                let nats = NatsBus::connect(&nats_url(), "aip-registry-test")
-                    .await
-                    .expect("NATS must be running (NATS_URL)");
-                let db = TestDatabase::postgres()
-                    .await
-                    .expect("PostgreSQL must be running (DATABASE_URL)");
-                (Arc::new(nats.clone()), Some(nats), db)
-            }
-            Backend::LocalSqlite => (
-                Arc::new(LocalBus::new()),
-                None,
-                TestDatabase::sqlite().expect("temp dir"),
-            ),
-        };
-        let db = test_db.connect().await.expect("test database connects");
+        let infra = Infra::start(backend)
+            .await
+            .expect("NATS and PostgreSQL must be running (NATS_URL, DATABASE_URL)");
+        let db = infra.connect_db().await.expect("test database connects");
         let settings = Settings {
-            subject_prefix: prefix.clone(),
+            subject_prefix: infra.prefix.clone(),
             registry: RegistrySettings {
                 listen: "127.0.0.1:0".parse().expect("addr"),
                 api_keys: options.api_keys.clone(),
@@ -196,41 +140,43 @@ impl TestApp {
             },
             ..Settings::default()
         };
-        let main = Running::start(settings.clone(), bus.clone(), db.clone(), false).await;
+        let main = Running::start(
+            "registry",
+            settings.clone(),
+            infra.bus.clone(),
+            db.clone(),
+            false,
+        )
+        .await;
         TestApp {
             backend,
-            bus,
-            nats,
-            subjects: Subjects::new(&prefix).expect("prefix"),
+            bus: infra.bus.clone(),
+            nats: infra.nats.clone(),
+            subjects: Subjects::new(&infra.prefix).expect("prefix"),
             settings,
             http: reqwest::Client::new(),
             main,
             replicas: Vec::new(),
             db,
-            test_db: Some(test_db),
+            infra: Some(infra),
         }
+    }
+
+    fn infra(&self) -> &Infra {
+        self.infra.as_ref().expect("running")
     }
 
     /// Starts another replica on the same database and subject prefix (its own NATS
     /// connection on the NATS backend; the same in-process bus otherwise).
     pub async fn spawn_replica(&mut self) -> SocketAddr {
-        let bus: SharedBus = match self.backend {
-            Backend::NatsPostgres => Arc::new(
-                NatsBus::connect(&nats_url(), "aip-registry-test-replica")
-                    .await
-                    .expect("NATS connects"),
-            ),
-            Backend::LocalSqlite => self.bus.clone(),
-        };
-        let url = self
-            .test_db
-            .as_ref()
-            .map(|t| t.url().to_owned())
-            .expect("test database");
-        let db = Database::connect(&url)
+        let bus = self.infra().replica_bus().await.expect("NATS connects");
+        let db = self
+            .infra()
+            .connect_db()
             .await
             .expect("replica connects to the database");
-        let replica = Running::start(self.settings.clone(), bus, db, true).await;
+        let name = format!("registry replica {}", self.replicas.len() + 1);
+        let replica = Running::start(&name, self.settings.clone(), bus, db, true).await;
         let addr = replica.http_addr;
         self.replicas.push(replica);
         addr
@@ -243,8 +189,8 @@ impl TestApp {
         }
         self.main.stop().await;
         self.db.close().await;
-        if let Some(test_db) = self.test_db.take() {
-            test_db.cleanup().await;
+        if let Some(infra) = self.infra.take() {
+            infra.cleanup().await;
         }
     }
 
@@ -536,24 +482,5 @@ pub fn constellation(
         client_type: ClientType::Constellation,
         target_id: target.map(str::to_owned),
         ..device(agent_id, gateway_id, connection_id, "galaxy")
-    }
-}
-
-/// Polls `check` until it holds; panics naming `what` after `timeout`.
-pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -1,0 +1,278 @@
+//! One client, from REGISTER to the end of its connection.
+//!
+//! [`serve`] takes a connection through three phases: waiting for REGISTER within the
+//! deadline; registered, with frames both ways until something ends it; finishing, where the
+//! session service and the registry are told and the closing handshake completes. What each
+//! client frame does is in [`crate::handlers`], one module per frame type; reading and
+//! writing frames is [`Connection`]'s.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aip_bus::{RecentIds, Subscription};
+use futures::StreamExt;
+use proto_schemas::{ClientMessage, ErrorCode, FrameError, server};
+
+use crate::AppState;
+use crate::auth::Principal;
+use crate::connection::{Connection, Inbound, ReadError, WriteError, close};
+use crate::handlers;
+use crate::identity::Identity;
+use crate::presence::Liveness;
+use crate::rate::FrameRate;
+
+/// How many delivery ids a connection remembers to drop duplicates: a sender that crashed
+/// re-sends at most the frames it had in flight, far fewer than this.
+const RECENT_DELIVERY_IDS: usize = 1024;
+
+/// Pings per liveness window: a client that answers pings but has nothing to send must
+/// show life several times per window, or one late pong would take it for dead.
+const PINGS_PER_LIVENESS_WINDOW: u32 = 3;
+
+/// Liveness checks per window: a silent client is closed at most a quarter window late.
+const LIVENESS_CHECKS_PER_WINDOW: u32 = 4;
+
+/// The answer to a binary frame, before and after registration.
+pub(crate) const BINARY_FRAMES_UNSUPPORTED: &str =
+    "binary frames are not supported: send each AIP frame as JSON in a text frame";
+
+/// Why a connection ended. The text goes to the logs, the registry and the session
+/// service (`reason` of the unregistration and of the closed-connection event).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum End {
+    #[error("gateway shutting down")]
+    ShuttingDown,
+    #[error("no register frame within {ms} ms of connecting")]
+    RegisterDeadline { ms: u64 },
+    #[error("closed before registering")]
+    ClosedBeforeRegistering,
+    #[error("{BINARY_FRAMES_UNSUPPORTED}")]
+    BinaryBeforeRegistering,
+    /// The text sent to the client in the ERROR frame.
+    #[error("{0}")]
+    RegistrationRefused(String),
+    #[error("client closed the connection")]
+    ClientClosed,
+    #[error("{0}")]
+    Read(ReadError),
+    #[error("{0}")]
+    Write(#[from] WriteError),
+    #[error("delivery subscription ended")]
+    DeliveriesEnded,
+    /// The text of the close frame.
+    #[error("liveness timeout: {0}")]
+    Silent(String),
+    #[error("replaced by a newer connection")]
+    Replaced,
+    #[error("rate limit exceeded persistently")]
+    RateLimited,
+}
+
+/// What the gateway holds for one client: its socket and what it remembers about it.
+pub(crate) struct Client {
+    pub(crate) state: Arc<AppState>,
+    pub(crate) connection: Connection,
+    /// Unique per socket; the registry and the session service tell connections of the
+    /// same client apart by it.
+    pub(crate) connection_id: String,
+    /// Who authenticated the socket: decides which identities it may register.
+    pub(crate) principal: Principal,
+    /// Set once the registry confirmed the registration; from then on, the connection's
+    /// end is reported.
+    pub(crate) identity: Option<Arc<Identity>>,
+    pub(crate) rate: FrameRate,
+    /// Frames put into the frames stream so far; numbers their `Nats-Msg-Id`.
+    pub(crate) frames_forwarded: u64,
+    /// Ids of recent deliveries, so a frame re-sent after a sender's crash is written once.
+    pub(crate) recent_deliveries: RecentIds,
+}
+
+/// What registration sets up for the registered phase.
+pub(crate) struct Registration {
+    /// What is published for this client; subscribed before the registration is confirmed,
+    /// so nothing published right after it is lost.
+    pub(crate) deliveries: Subscription,
+    /// Touched on every sign of life, read by the presence batches.
+    pub(crate) liveness: Arc<Liveness>,
+}
+
+/// Serves one upgraded WebSocket until it ends.
+pub async fn serve(
+    socket: axum::extract::ws::WebSocket,
+    state: Arc<AppState>,
+    principal: Principal,
+) {
+    let settings = &state.settings.gateway;
+    let mut client = Client {
+        connection: Connection::new(socket, settings.outbound_queue, settings.max_frame_bytes),
+        connection_id: uuid::Uuid::now_v7().to_string(),
+        principal,
+        identity: None,
+        rate: FrameRate::new(settings.frames_per_second),
+        frames_forwarded: 0,
+        recent_deliveries: RecentIds::new(RECENT_DELIVERY_IDS),
+        state,
+    };
+    let end = client.run().await;
+    // Runs once per connection: boxed, so that the future each open connection holds does not
+    // reserve room for it (memory per idle connection).
+    Box::pin(client.finish(end)).await;
+}
+
+impl Client {
+    async fn run(&mut self) -> End {
+        let first = match self.await_register().await {
+            Ok(first) => first,
+            Err(end) => return end,
+        };
+        // Boxed, here and for each frame and delivery in `registered`: the future of an idle
+        // connection then holds only the loop, not room for the largest step it may take.
+        match Box::pin(handlers::register::handle(self, first)).await {
+            Ok(registration) => self.registered(registration).await,
+            Err(end) => end,
+        }
+    }
+
+    /// The first frame, within the registration deadline. Pings and pongs before it are
+    /// answered by the WebSocket layer; they are skipped here without moving the deadline
+    /// (a client that only pings is still closed at the deadline).
+    async fn await_register(&mut self) -> Result<Result<Box<ClientMessage>, FrameError>, End> {
+        let timeout_ms = self.state.settings.gateway.register_timeout_ms;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let shutdown = self.state.shutdown.clone();
+        loop {
+            let read = tokio::select! {
+                read = tokio::time::timeout_at(deadline, self.connection.read()) => read,
+                () = shutdown.cancelled() => return Err(self.shutting_down()),
+            };
+            let inbound = match read {
+                Err(_elapsed) => {
+                    let end = End::RegisterDeadline { ms: timeout_ms };
+                    self.connection.write_last(
+                        &server::error(ErrorCode::RegistrationFailed, end.to_string()),
+                        close::POLICY,
+                        "registration deadline passed",
+                    );
+                    return Err(end);
+                }
+                Ok(Err(e)) => return Err(self.read_failed(e)),
+                Ok(Ok(None)) => return Err(End::ClosedBeforeRegistering),
+                Ok(Ok(Some(inbound))) => inbound,
+            };
+            match inbound {
+                Inbound::Frame(frame) => return Ok(frame),
+                Inbound::Binary => {
+                    self.connection.write_last(
+                        &server::error(ErrorCode::ProtocolError, BINARY_FRAMES_UNSUPPORTED),
+                        close::PROTOCOL,
+                        "binary frame",
+                    );
+                    return Err(End::BinaryBeforeRegistering);
+                }
+                Inbound::Control => {}
+            }
+        }
+    }
+
+    /// Registered: frames both ways until something ends the connection.
+    async fn registered(&mut self, registration: Registration) -> End {
+        let Registration {
+            mut deliveries,
+            liveness,
+        } = registration;
+        let settings = &self.state.settings.gateway;
+        let liveness_timeout = Duration::from_millis(settings.liveness_timeout_ms);
+        let ping_every = Duration::from_millis(settings.ping_interval_ms)
+            .min(liveness_timeout / PINGS_PER_LIVENESS_WINDOW);
+        let mut ping = tokio::time::interval(ping_every);
+        ping.tick().await;
+        let mut check = tokio::time::interval(liveness_timeout / LIVENESS_CHECKS_PER_WINDOW);
+        check.tick().await;
+        let mut last_activity = Instant::now();
+        let shutdown = self.state.shutdown.clone();
+        loop {
+            let step = tokio::select! {
+                read = self.connection.read() => {
+                    if read.is_ok() {
+                        last_activity = Instant::now();
+                        liveness.touch();
+                    }
+                    Box::pin(self.on_read(read)).await
+                }
+                delivery = deliveries.next() => match delivery {
+                    Some(message) => Box::pin(handlers::delivery::handle(self, message)).await,
+                    None => {
+                        self.connection.close(close::TRY_AGAIN, "message bus connection lost; reconnect");
+                        Err(End::DeliveriesEnded)
+                    }
+                },
+                _ = ping.tick() => self.connection.ping().map_err(End::from),
+                _ = check.tick() => {
+                    if last_activity.elapsed() > liveness_timeout {
+                        let text = format!("no frames or pongs for {} ms", liveness_timeout.as_millis());
+                        self.connection.close(close::GOING_AWAY, &text);
+                        Err(End::Silent(text))
+                    } else {
+                        Ok(())
+                    }
+                }
+                () = shutdown.cancelled() => Err(self.shutting_down()),
+            };
+            if let Err(end) = step {
+                return end;
+            }
+        }
+    }
+
+    async fn on_read(&mut self, read: Result<Option<Inbound>, ReadError>) -> Result<(), End> {
+        match read {
+            Err(e) => Err(self.read_failed(e)),
+            Ok(None) => Err(End::ClientClosed),
+            Ok(Some(Inbound::Frame(frame))) => handlers::dispatch(self, frame).await,
+            Ok(Some(Inbound::Binary)) => Ok(self.connection.write(&server::error(
+                ErrorCode::ProtocolError,
+                BINARY_FRAMES_UNSUPPORTED,
+            ))?),
+            Ok(Some(Inbound::Control)) => Ok(()),
+        }
+    }
+
+    fn read_failed(&mut self, e: ReadError) -> End {
+        if let ReadError::TooLarge { .. } = e {
+            let text = e.to_string();
+            self.connection.write_last(
+                &server::error(ErrorCode::FrameTooLarge, &text),
+                close::TOO_BIG,
+                &text,
+            );
+        }
+        End::Read(e)
+    }
+
+    fn shutting_down(&self) -> End {
+        self.connection
+            .close(close::GOING_AWAY, "server shutting down; reconnect");
+        End::ShuttingDown
+    }
+
+    /// After the connection ended: forgets it, tells the session service and the registry,
+    /// and finishes the closing handshake.
+    async fn finish(self, end: End) {
+        let reason = end.to_string();
+        tracing::debug!(connection = %self.connection_id, %reason, "connection ended");
+        if let Some(identity) = &self.identity {
+            self.state.presence.remove(&self.connection_id);
+            // Before the registry hears of it: from now on, device info comes from the registry.
+            self.state
+                .devices
+                .remove(&identity.client_id, &self.connection_id);
+            crate::events::announce_closed(&self.state, identity, &self.connection_id, &reason)
+                .await;
+            handlers::register::unregister(&self.state, identity, &self.connection_id, &reason)
+                .await;
+        }
+        // When the gateway shuts down, the close frame is sent but answers are not awaited.
+        let await_answer = !self.state.shutdown.is_cancelled();
+        self.connection.finish(await_answer).await;
+    }
+}

@@ -1,0 +1,544 @@
+//! Registrations and unregistrations, a batch per transaction (group commit).
+//!
+//! The batch locks its ids' rows and reads their holders in one statement (in id order, so
+//! that batches and presence flushes, which lock the same way, cannot deadlock), judges each
+//! registration against the holder it read, then writes. A first registration inserts with
+//! `ON CONFLICT DO NOTHING`; on PostgreSQL one that a concurrent registration (on another
+//! replica) beat to it is judged again against the row that one wrote. SQLite's write
+//! transaction holds the whole database, so nobody gets in between there.
+//! Registering gateways are recorded alive before the batch's transaction.
+
+use std::collections::HashMap;
+use std::sync::LazyLock;
+use std::time::{Duration, Instant};
+
+use aip_store::{List, Sql, Tx};
+use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, FromRow};
+
+use super::{
+    AGENT_COLUMNS, Admit, AgentRow, BatchOutcome, Holder, RETURNING_COLUMNS, RegisterOutcome,
+    SqlAgentStore, StoreError, Windows, WriteBatch, extension_names, millis,
+};
+
+/// A registration records its gateway as alive (its presence reports may not have been
+/// written yet) unless this store did so this recently: far below any liveness window, and
+/// it saves a write per registration batch.
+pub(super) const GATEWAY_REFRESH: Duration = Duration::from_millis(500);
+
+/// Gateways not refreshed for this many [`GATEWAY_REFRESH`] periods are forgotten by the
+/// store's memory (gateways come and go; the map must not grow without end).
+const GATEWAY_MEMORY_PERIODS: u32 = 100;
+
+/// Records gateways (the [`List`] at `$1`) as alive, in id order.
+static GATEWAYS_ALIVE: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        // `WHERE true` keeps SQLite from reading `ON CONFLICT` as a join constraint.
+        format!(
+            "INSERT INTO gateways (gateway_id, last_seen) \
+             SELECT g.value, {now} FROM {gateways} WHERE true ORDER BY g.value \
+             ON CONFLICT (gateway_id) DO UPDATE SET last_seen = excluded.last_seen",
+            now = b.now(),
+            gateways = b.list_rows(1, "g"),
+        )
+    })
+});
+
+/// Locks the rows of the ids at `$1` in id order and reads their holders; `$2` and `$3`
+/// are the agent and gateway windows.
+static LOCK_HOLDERS: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "SELECT a.agent_id, a.connection_id, a.principal, a.status, \
+                    (a.status <> 'offline' AND a.last_seen >= {agent} \
+                     AND g.last_seen IS NOT NULL AND g.last_seen >= {gateway}) AS live \
+             FROM agents a LEFT JOIN gateways g ON g.gateway_id = a.gateway_id \
+             WHERE {ids} ORDER BY a.agent_id{lock}",
+            agent = b.ago(2),
+            gateway = b.ago(3),
+            ids = b.in_list("a.agent_id", 1),
+            lock = b.lock_rows("a"),
+        )
+    })
+});
+
+/// Unregisters the agents at `$1` (rows locked, held by the connections that ended).
+/// Written even if already offline: `unregistered` is final, while an agent that only
+/// expired may be revived by its connection's presence.
+static TAKE_OFFLINE: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "UPDATE agents SET status = 'offline', offline_reason = 'unregistered' WHERE {}",
+            b.in_list("agent_id", 1)
+        )
+    })
+});
+
+/// Inserts one new agent (parameters in [`bind_registration`]'s order).
+static INSERT_AGENT: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "INSERT INTO agents (agent_id, client_type, platform, status, capabilities, tools, \
+                 system_info, metadata, extensions, target_id, principal, gateway_id, connection_id, \
+                 load, connected_at, last_seen) \
+             VALUES ($1, $2, $3, 'available', $4, $5, $6, $7, $8, $9, $10, $11, $12, 0, {now}, {now}) \
+             ON CONFLICT (agent_id) DO NOTHING RETURNING {RETURNING_COLUMNS}",
+            now = b.now(),
+        )
+    })
+});
+
+/// Writes a registration over its agent's row (parameters in [`bind_registration`]'s
+/// order). On the right-hand side, columns are the row before the update: the same
+/// connection registering again keeps its `busy` status, load and connection time.
+static UPDATE_AGENT: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "UPDATE agents SET client_type = $2, platform = $3, \
+                 status = CASE WHEN connection_id = $12 AND status = 'busy' THEN 'busy' ELSE 'available' END, \
+                 offline_reason = NULL, capabilities = $4, tools = $5, system_info = $6, metadata = $7, \
+                 extensions = $8, target_id = $9, principal = $10, gateway_id = $11, connection_id = $12, \
+                 load = CASE WHEN connection_id = $12 AND status <> 'offline' THEN load ELSE 0 END, \
+                 connected_at = CASE WHEN connection_id = $12 AND status <> 'offline' \
+                     THEN connected_at ELSE {now} END, \
+                 last_seen = {now} \
+             WHERE agent_id = $1 RETURNING {RETURNING_COLUMNS}",
+            now = b.now(),
+        )
+    })
+});
+
+/// The current holder of an id, as read under its row lock.
+#[derive(FromRow)]
+struct HeldRow {
+    agent_id: String,
+    connection_id: String,
+    principal: String,
+    /// The stored status, parsed only when a registration is judged against it.
+    status: String,
+    live: bool,
+}
+
+impl HeldRow {
+    fn holder(&self) -> Result<Holder, StoreError> {
+        Ok(Holder {
+            connection_id: self.connection_id.clone(),
+            principal: self.principal.clone(),
+            status: AgentStatus::from_wire(&self.status).ok_or_else(|| StoreError::Corrupt {
+                agent_id: self.agent_id.clone(),
+                detail: format!("unknown status `{}`", self.status),
+            })?,
+            live: self.live,
+        })
+    }
+}
+
+/// How a registration is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Nobody holds the id: inserted (unless a concurrent registration creates it first).
+    New,
+    /// Over the existing row, locked by the batch.
+    Existing,
+}
+
+/// One result per registration of a batch, filled in as they are decided.
+type Results = Vec<Option<Result<RegisterOutcome, StoreError>>>;
+
+/// A registration admitted, to be written.
+struct Admitted<'r> {
+    /// Its place in the batch.
+    index: usize,
+    request: &'r RegisterAgent,
+    kind: Kind,
+    /// The connection it takes the id from, to be closed.
+    replaced: Option<String>,
+}
+
+impl SqlAgentStore {
+    /// On PostgreSQL four round trips whatever the batch holds: `BEGIN`, one statement
+    /// locking and reading every row the batch writes, one statement writing them all,
+    /// `COMMIT` (two more for new ids that a concurrent registration created first).
+    pub(super) async fn write(
+        &self,
+        batch: &WriteBatch,
+        windows: &Windows,
+        admit: &Admit,
+    ) -> Result<BatchOutcome, StoreError> {
+        self.refresh_gateways(batch).await?;
+        // The transaction locks agents only, so that it cannot deadlock with presence flushes.
+        let mut tx = self.db.begin().await?;
+        let ids: Vec<&str> = batch.agent_ids().collect();
+        let held = lock_holders(&mut tx, &ids, windows).await?;
+
+        // Unregistrations come first: no registration of the batch names the same agent.
+        let mut unregistered = Vec::with_capacity(batch.unregisters.len());
+        let mut offline: Vec<&str> = Vec::new();
+        for u in &batch.unregisters {
+            let held = held
+                .get(u.agent_id.as_str())
+                .filter(|h| h.connection_id == u.connection_id);
+            if held.is_some() {
+                offline.push(&u.agent_id);
+            }
+            unregistered.push(Ok(
+                held.is_some_and(|h| h.status != AgentStatus::Offline.as_str())
+            ));
+        }
+        let mut registered: Results = std::iter::repeat_with(|| None)
+            .take(batch.registers.len())
+            .collect();
+        let candidates = batch.registers.iter().enumerate();
+        let admitted = judge_all(candidates, &held, false, admit, &mut registered);
+        let lost = write_rows(&mut tx, &offline, admitted, &mut registered).await?;
+
+        // New ids created meanwhile by a concurrent registration: judged again, against the
+        // row it wrote, now locked.
+        if !lost.is_empty() {
+            let ids: Vec<&str> = lost.iter().map(|(_, r)| r.agent_id.as_str()).collect();
+            let held = lock_holders(&mut tx, &ids, windows).await?;
+            let admitted = judge_all(lost.into_iter(), &held, true, admit, &mut registered);
+            write_rows(&mut tx, &[], admitted, &mut registered).await?;
+        }
+        tx.commit().await?;
+        Ok(BatchOutcome {
+            unregistered,
+            registered: registered
+                .into_iter()
+                .zip(&batch.registers)
+                .map(|(result, request)| {
+                    result.unwrap_or_else(|| {
+                        Err(StoreError::Contention {
+                            agent_id: request.agent_id.clone(),
+                        })
+                    })
+                })
+                .collect(),
+        })
+    }
+
+    /// Records the batch's registering gateways as alive, in its own statement before the
+    /// batch's transaction (which then holds no gateway row), unless done within
+    /// [`GATEWAY_REFRESH`]. Idempotent.
+    async fn refresh_gateways(&self, batch: &WriteBatch) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut stale: Vec<&str> = {
+            let refreshed = self
+                .gateways_refreshed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            batch
+                .registers
+                .iter()
+                .map(|r| r.gateway_id.as_str())
+                .filter(|g| {
+                    refreshed
+                        .get(*g)
+                        .is_none_or(|at| now.duration_since(*at) >= GATEWAY_REFRESH)
+                })
+                .collect()
+        };
+        if stale.is_empty() {
+            return Ok(());
+        }
+        stale.sort_unstable();
+        stale.dedup();
+        self.db
+            .query(&GATEWAYS_ALIVE)
+            .bind(List(&stale))
+            .execute()
+            .await?;
+        let mut refreshed = self
+            .gateways_refreshed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        refreshed
+            .retain(|_, at| now.duration_since(*at) < GATEWAY_REFRESH * GATEWAY_MEMORY_PERIODS);
+        for gateway in stale {
+            refreshed.insert(gateway.to_owned(), now);
+        }
+        Ok(())
+    }
+}
+
+/// Judges registrations against the holders read for their ids, returning those admitted;
+/// the others get their result: the refusal, or the error if the holder cannot be read.
+/// After a lost insert race (`lost_race`), a missing row is an error, not a new id.
+fn judge_all<'r>(
+    candidates: impl Iterator<Item = (usize, &'r RegisterAgent)>,
+    held: &HashMap<String, HeldRow>,
+    lost_race: bool,
+    admit: &Admit,
+    registered: &mut Results,
+) -> Vec<Admitted<'r>> {
+    let mut admitted = Vec::new();
+    for (index, request) in candidates {
+        let held = held.get(request.agent_id.as_str());
+        let holder = match held.map(HeldRow::holder).transpose() {
+            Ok(holder) => holder,
+            Err(e) => {
+                registered[index] = Some(Err(e));
+                continue;
+            }
+        };
+        if lost_race && holder.is_none() {
+            // The row that made the insert fail is not there (agents are never deleted, so
+            // this does not happen): the client may try again.
+            registered[index] = Some(Err(StoreError::Contention {
+                agent_id: request.agent_id.clone(),
+            }));
+            continue;
+        }
+        match admit(request, holder.as_ref()) {
+            Ok(replaced) => admitted.push(Admitted {
+                index,
+                request,
+                kind: if holder.is_some() {
+                    Kind::Existing
+                } else {
+                    Kind::New
+                },
+                replaced,
+            }),
+            Err(refusal) => registered[index] = Some(Ok(RegisterOutcome::Refused(refusal))),
+        }
+    }
+    admitted
+}
+
+/// Locks the rows of `ids` in id order and reads their holders.
+async fn lock_holders(
+    tx: &mut Tx<'_>,
+    ids: &[&str],
+    windows: &Windows,
+) -> Result<HashMap<String, HeldRow>, StoreError> {
+    let rows: Vec<HeldRow> = tx
+        .query(&LOCK_HOLDERS)
+        .bind(List(ids))
+        .bind(millis(windows.agent))
+        .bind(millis(windows.gateway))
+        .fetch_all()
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| (row.agent_id.clone(), row))
+        .collect())
+}
+
+/// Writes the unregistrations (`offline`) and the admitted registrations, and puts each
+/// registration's outcome in `registered`. Returns the new ids that a concurrent
+/// registration created first (left alone by the insert).
+async fn write_rows<'r>(
+    tx: &mut Tx<'_>,
+    offline: &[&str],
+    admitted: Vec<Admitted<'r>>,
+    registered: &mut Results,
+) -> Result<Vec<(usize, &'r RegisterAgent)>, StoreError> {
+    if offline.is_empty() && admitted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut written = match tx {
+        Tx::Postgres(pg) => postgres::write_rows_at_once(pg, offline, &admitted).await?,
+        Tx::Sqlite(_) => write_rows_each(tx, offline, &admitted).await?,
+    };
+    let mut lost = Vec::new();
+    for a in admitted {
+        match written.remove(a.request.agent_id.as_str()) {
+            Some(agent) => {
+                registered[a.index] = Some(Ok(RegisterOutcome::Registered(Box::new(Registered {
+                    agent,
+                    replaced_connection: a.replaced,
+                }))));
+            }
+            None if a.kind == Kind::New => lost.push((a.index, a.request)),
+            // A locked row is always updated.
+            None => {
+                registered[a.index] = Some(Err(StoreError::Contention {
+                    agent_id: a.request.agent_id.clone(),
+                }));
+            }
+        }
+    }
+    Ok(lost)
+}
+
+/// The agents written, by id. A written row that cannot be read back fails the batch, so
+/// that it is rolled back.
+fn written(rows: Vec<AgentRow>) -> Result<HashMap<String, AgentRecord>, StoreError> {
+    rows.into_iter()
+        .map(|row| row.into_record().map(|r| (r.agent_id.clone(), r)))
+        .collect()
+}
+
+/// Writes row by row: SQLite is in this process, a statement costs no round trip, and each
+/// is prepared once per connection.
+async fn write_rows_each(
+    tx: &mut Tx<'_>,
+    offline: &[&str],
+    admitted: &[Admitted<'_>],
+) -> Result<HashMap<String, AgentRecord>, StoreError> {
+    if !offline.is_empty() {
+        tx.query(&TAKE_OFFLINE)
+            .bind(List(offline))
+            .execute()
+            .await?;
+    }
+    let mut rows = Vec::with_capacity(admitted.len());
+    for a in admitted {
+        let sql = match a.kind {
+            Kind::New => &INSERT_AGENT,
+            Kind::Existing => &UPDATE_AGENT,
+        };
+        let r = a.request;
+        let row: Option<AgentRow> = tx
+            .query(sql)
+            .bind(&r.agent_id)
+            .bind(r.client_type.as_str())
+            .bind(r.platform.as_str())
+            .bind(Json(&r.capabilities))
+            .bind(Json(&r.tools))
+            .bind(r.system_info.as_ref().map(Json))
+            .bind(r.metadata.as_ref().map(Json))
+            .bind(Json(extension_names(&r.extensions)))
+            .bind(r.target_id.as_deref())
+            .bind(&r.principal)
+            .bind(&r.gateway_id)
+            .bind(&r.connection_id)
+            .fetch_optional()
+            .await?;
+        rows.extend(row);
+    }
+    written(rows)
+}
+
+/// The batch in one statement on PostgreSQL, over arrays: one round trip per batch.
+mod postgres {
+    use super::*;
+
+    /// Registrations as column arrays, bound to [`UNNEST_REGISTRATIONS`]. JSON travels as
+    /// text and is cast to jsonb in SQL.
+    #[derive(Default)]
+    struct RegisterColumns<'r> {
+        kind: Vec<&'static str>,
+        agent_id: Vec<&'r str>,
+        client_type: Vec<&'static str>,
+        platform: Vec<&'static str>,
+        capabilities: Vec<String>,
+        tools: Vec<String>,
+        system_info: Vec<Option<String>>,
+        metadata: Vec<Option<String>>,
+        extensions: Vec<String>,
+        target_id: Vec<Option<&'r str>>,
+        principal: Vec<&'r str>,
+        gateway_id: Vec<&'r str>,
+        connection_id: Vec<&'r str>,
+    }
+
+    /// The registrations as rows `r`, from parameters `$1` to `$13` in [`RegisterColumns`]'
+    /// order.
+    const UNNEST_REGISTRATIONS: &str = "unnest($1::text[], $2::text[], $3::text[], $4::text[], \
+         $5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], \
+         $12::text[], $13::text[]) \
+         AS r(kind, agent_id, client_type, platform, capabilities, tools, system_info, metadata, \
+              extensions, target_id, principal, gateway_id, connection_id)";
+
+    impl<'r> RegisterColumns<'r> {
+        fn new(admitted: &[Admitted<'r>]) -> Result<Self, StoreError> {
+            let mut c = RegisterColumns::default();
+            for a in admitted {
+                let r = a.request;
+                let id = r.agent_id.as_str();
+                c.kind.push(match a.kind {
+                    Kind::New => "new",
+                    Kind::Existing => "existing",
+                });
+                c.agent_id.push(id);
+                c.client_type.push(r.client_type.as_str());
+                c.platform.push(r.platform.as_str());
+                c.capabilities.push(json(id, &r.capabilities)?);
+                c.tools.push(json(id, &r.tools)?);
+                c.system_info
+                    .push(r.system_info.as_ref().map(|v| json(id, v)).transpose()?);
+                c.metadata
+                    .push(r.metadata.as_ref().map(|v| json(id, v)).transpose()?);
+                c.extensions
+                    .push(json(id, &extension_names(&r.extensions))?);
+                c.target_id.push(r.target_id.as_deref());
+                c.principal.push(&r.principal);
+                c.gateway_id.push(&r.gateway_id);
+                c.connection_id.push(&r.connection_id);
+            }
+            Ok(c)
+        }
+    }
+
+    /// `value` as JSON text, for a jsonb column of `agent_id`.
+    fn json<T: serde::Serialize + ?Sized>(agent_id: &str, value: &T) -> Result<String, StoreError> {
+        serde_json::to_string(value).map_err(|e| StoreError::Corrupt {
+            agent_id: agent_id.to_owned(),
+            detail: format!("cannot be written as JSON: {e}"),
+        })
+    }
+
+    /// Takes `offline` offline, inserts the new ids and updates the existing rows, in one
+    /// statement.
+    pub(super) async fn write_rows_at_once(
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        offline: &[&str],
+        admitted: &[Admitted<'_>],
+    ) -> Result<HashMap<String, AgentRecord>, StoreError> {
+        let c = RegisterColumns::new(admitted)?;
+        // In `updated`, `a.…` on the right-hand side is the row before the update.
+        let sql = AssertSqlSafe(format!(
+            "WITH offline AS ( \
+                 UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
+                 WHERE agent_id = ANY($14::text[]) \
+             ), inserted AS ( \
+                 INSERT INTO agents AS a (agent_id, client_type, platform, status, capabilities, \
+                     tools, system_info, metadata, extensions, target_id, principal, gateway_id, \
+                     connection_id, load, connected_at, last_seen) \
+                 SELECT r.agent_id, r.client_type, r.platform, 'available', r.capabilities::jsonb, \
+                     r.tools::jsonb, r.system_info::jsonb, r.metadata::jsonb, r.extensions::jsonb, \
+                     r.target_id, r.principal, r.gateway_id, r.connection_id, 0, now(), now() \
+                 FROM {UNNEST_REGISTRATIONS} WHERE r.kind = 'new' ORDER BY r.agent_id \
+                 ON CONFLICT (agent_id) DO NOTHING RETURNING {AGENT_COLUMNS} \
+             ), updated AS ( \
+                 UPDATE agents AS a SET client_type = r.client_type, platform = r.platform, \
+                     status = CASE WHEN a.connection_id = r.connection_id AND a.status = 'busy' \
+                         THEN 'busy' ELSE 'available' END, \
+                     offline_reason = NULL, capabilities = r.capabilities::jsonb, \
+                     tools = r.tools::jsonb, system_info = r.system_info::jsonb, \
+                     metadata = r.metadata::jsonb, extensions = r.extensions::jsonb, \
+                     target_id = r.target_id, principal = r.principal, gateway_id = r.gateway_id, \
+                     connection_id = r.connection_id, \
+                     load = CASE WHEN a.connection_id = r.connection_id AND a.status <> 'offline' \
+                         THEN a.load ELSE 0 END, \
+                     connected_at = CASE WHEN a.connection_id = r.connection_id \
+                         AND a.status <> 'offline' THEN a.connected_at ELSE now() END, \
+                     last_seen = now() \
+                 FROM {UNNEST_REGISTRATIONS} WHERE r.kind = 'existing' AND a.agent_id = r.agent_id \
+                 RETURNING {AGENT_COLUMNS} \
+             ) \
+             SELECT * FROM inserted UNION ALL SELECT * FROM updated"
+        ));
+        let rows: Vec<AgentRow> = sqlx::query_as(sql)
+            .bind(&c.kind)
+            .bind(&c.agent_id)
+            .bind(&c.client_type)
+            .bind(&c.platform)
+            .bind(&c.capabilities)
+            .bind(&c.tools)
+            .bind(&c.system_info)
+            .bind(&c.metadata)
+            .bind(&c.extensions)
+            .bind(&c.target_id)
+            .bind(&c.principal)
+            .bind(&c.gateway_id)
+            .bind(&c.connection_id)
+            .bind(offline)
+            .fetch_all(&mut **tx)
+            .await?;
+        written(rows)
+    }
+}

@@ -1,0 +1,226 @@
+//! Liveness: presence flushes and the reaper.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use aip_store::{Database, Sql};
+use sqlx::Row;
+
+use super::{PresenceApplied, PresenceFlush, SqlAgentStore, StoreError, Windows, millis};
+
+/// A gateway (`$1`) reported, with its interval (`$2`).
+static GATEWAY_REPORTED: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "INSERT INTO gateways (gateway_id, last_seen, interval_ms) VALUES ($1, {now}, $2) \
+             ON CONFLICT (gateway_id) DO UPDATE \
+                 SET last_seen = excluded.last_seen, interval_ms = excluded.interval_ms",
+            now = b.now(),
+        )
+    })
+});
+
+/// Connection `$2` on gateway `$3` showed life for agent `$1`: refreshed if it still holds
+/// the agent, revived if the agent only expired.
+static AGENT_ALIVE: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "UPDATE agents SET last_seen = {now}, \
+                 status = CASE WHEN status = 'offline' THEN 'available' ELSE status END, \
+                 offline_reason = NULL \
+             WHERE agent_id = $1 AND connection_id = $2 AND gateway_id = $3 \
+               AND (status <> 'offline' OR offline_reason = 'liveness_expired')",
+            now = b.now(),
+        )
+    })
+});
+
+/// Gateway `$1` is stopping: its agents go offline.
+static GATEWAY_STOPPING: Sql = Sql::same(
+    "UPDATE agents SET status = 'offline', offline_reason = 'gateway_stopped' \
+     WHERE gateway_id = $1 AND status <> 'offline'",
+);
+
+/// Marks offline the agents not live by the agent (`$1`) and gateway (`$2`) windows, and
+/// returns their ids. On PostgreSQL, candidates are read first, then locked in id order and
+/// updated only if untouched since (same connection, same last_seen): a registration or
+/// presence write racing with the reaper of another replica wins, and rows locked by others
+/// are skipped until the next round. SQLite has one writer: one statement, nothing changes
+/// between check and write.
+static REAP: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| match b {
+        aip_store::Backend::Postgres => format!(
+            "WITH stale AS ( \
+                 SELECT a.agent_id, a.connection_id, a.last_seen FROM agents a \
+                 LEFT JOIN gateways g ON g.gateway_id = a.gateway_id \
+                 WHERE a.status <> 'offline' \
+                   AND (a.last_seen < {agent} OR g.last_seen IS NULL OR g.last_seen < {gateway}) \
+             ), locked AS ( \
+                 SELECT a.agent_id FROM agents a \
+                 JOIN stale s ON a.agent_id = s.agent_id AND a.connection_id = s.connection_id \
+                  AND a.last_seen = s.last_seen \
+                 WHERE a.status <> 'offline' \
+                 ORDER BY a.agent_id FOR UPDATE OF a SKIP LOCKED \
+             ) \
+             UPDATE agents a SET status = 'offline', offline_reason = 'liveness_expired' \
+             FROM locked l WHERE a.agent_id = l.agent_id \
+             RETURNING a.agent_id",
+            agent = b.ago(1),
+            gateway = b.ago(2),
+        ),
+        aip_store::Backend::Sqlite => format!(
+            "UPDATE agents SET status = 'offline', offline_reason = 'liveness_expired' \
+             WHERE status <> 'offline' AND (last_seen < {agent} OR NOT EXISTS ( \
+                 SELECT 1 FROM gateways g WHERE g.gateway_id = agents.gateway_id \
+                 AND g.last_seen >= {gateway})) \
+             RETURNING agent_id",
+            agent = b.ago(1),
+            gateway = b.ago(2),
+        ),
+    })
+});
+
+/// Forgets the gateways silent for `$1` milliseconds that hold no live agent.
+static FORGET_GATEWAYS: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "DELETE FROM gateways WHERE last_seen < {silent} AND NOT EXISTS ( \
+                 SELECT 1 FROM agents a WHERE a.gateway_id = gateways.gateway_id \
+                 AND a.status <> 'offline')",
+            silent = b.ago(1),
+        )
+    })
+});
+
+impl SqlAgentStore {
+    /// One statement on PostgreSQL (a round trip per flush); on SQLite one transaction with
+    /// a statement per report, each prepared once per connection.
+    pub(super) async fn presence(
+        &self,
+        flush: &PresenceFlush,
+    ) -> Result<PresenceApplied, StoreError> {
+        if let Database::Postgres(pool) = &self.db {
+            return presence_at_once(pool, flush).await;
+        }
+        let mut applied = PresenceApplied::default();
+        let mut tx = self.db.begin().await?;
+        for (gateway_id, interval_ms) in &flush.gateways {
+            tx.query(&GATEWAY_REPORTED)
+                .bind(gateway_id)
+                .bind(interval(*interval_ms))
+                .execute()
+                .await?;
+        }
+        for (agent_id, connection_id, gateway_id) in &flush.alive {
+            applied.refreshed += tx
+                .query(&AGENT_ALIVE)
+                .bind(agent_id)
+                .bind(connection_id)
+                .bind(gateway_id)
+                .execute()
+                .await?;
+        }
+        for gateway_id in &flush.stopping {
+            applied.stopped += tx
+                .query(&GATEWAY_STOPPING)
+                .bind(gateway_id)
+                .execute()
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    pub(super) async fn expire(
+        &self,
+        windows: &Windows,
+        forget_gateways_after: Duration,
+    ) -> Result<Vec<String>, StoreError> {
+        let reaped: Vec<(String,)> = self
+            .db
+            .query(&REAP)
+            .bind(millis(windows.agent))
+            .bind(millis(windows.gateway))
+            .fetch_all()
+            .await?;
+        self.db
+            .query(&FORGET_GATEWAYS)
+            .bind(millis(forget_gateways_after))
+            .execute()
+            .await?;
+        Ok(reaped.into_iter().map(|(id,)| id).collect())
+    }
+}
+
+/// A gateway's reporting interval as stored (an interval beyond `i64` is as good as never).
+fn interval(interval_ms: u64) -> i64 {
+    i64::try_from(interval_ms).unwrap_or(i64::MAX)
+}
+
+/// A presence flush in one PostgreSQL statement over arrays. Rows are locked in id order
+/// (`ORDER BY … FOR UPDATE`) before they are updated, so flushes of two replicas covering the
+/// same agents cannot deadlock. A stopping gateway's agents are never listed as alive in the
+/// same flush.
+async fn presence_at_once(
+    pool: &sqlx::PgPool,
+    flush: &PresenceFlush,
+) -> Result<PresenceApplied, StoreError> {
+    let (gateway_ids, intervals): (Vec<&str>, Vec<i64>) = flush
+        .gateways
+        .iter()
+        .map(|(id, interval_ms)| (id.as_str(), interval(*interval_ms)))
+        .unzip();
+    let mut agent_ids = Vec::with_capacity(flush.alive.len());
+    let mut connection_ids = Vec::with_capacity(flush.alive.len());
+    let mut alive_gateways = Vec::with_capacity(flush.alive.len());
+    for (agent, connection, gateway) in &flush.alive {
+        agent_ids.push(agent.as_str());
+        connection_ids.push(connection.as_str());
+        alive_gateways.push(gateway.as_str());
+    }
+    let stopping: Vec<&str> = flush.stopping.iter().map(String::as_str).collect();
+    let row = sqlx::query(
+        "WITH gw AS ( \
+             INSERT INTO gateways (gateway_id, last_seen, interval_ms) \
+             SELECT g, now(), i FROM unnest($1::text[], $2::bigint[]) AS t(g, i) ORDER BY g \
+             ON CONFLICT (gateway_id) DO UPDATE \
+                 SET last_seen = EXCLUDED.last_seen, interval_ms = EXCLUDED.interval_ms \
+         ), seen AS ( \
+             SELECT a.agent_id FROM agents a \
+             JOIN unnest($3::text[], $4::text[], $5::text[]) AS p(agent_id, connection_id, gateway_id) \
+               ON a.agent_id = p.agent_id AND a.connection_id = p.connection_id \
+              AND a.gateway_id = p.gateway_id \
+             WHERE a.status <> 'offline' OR a.offline_reason = 'liveness_expired' \
+             ORDER BY a.agent_id FOR UPDATE OF a \
+         ), alive AS ( \
+             UPDATE agents a SET last_seen = now(), \
+                 status = CASE WHEN a.status = 'offline' THEN 'available' ELSE a.status END, \
+                 offline_reason = NULL \
+             FROM seen s WHERE a.agent_id = s.agent_id \
+             RETURNING 1 \
+         ), doomed AS ( \
+             SELECT a.agent_id FROM agents a \
+             WHERE a.gateway_id = ANY($6::text[]) AND a.status <> 'offline' \
+             ORDER BY a.agent_id FOR UPDATE \
+         ), stopped AS ( \
+             UPDATE agents a SET status = 'offline', offline_reason = 'gateway_stopped' \
+             FROM doomed d WHERE a.agent_id = d.agent_id \
+             RETURNING 1 \
+         ) \
+         SELECT (SELECT count(*) FROM alive) AS refreshed, (SELECT count(*) FROM stopped) AS stopped",
+    )
+    .bind(&gateway_ids)
+    .bind(&intervals)
+    .bind(&agent_ids)
+    .bind(&connection_ids)
+    .bind(&alive_gateways)
+    .bind(&stopping)
+    .fetch_one(pool)
+    .await?;
+    let refreshed: i64 = row.try_get("refreshed")?;
+    let stopped: i64 = row.try_get("stopped")?;
+    Ok(PresenceApplied {
+        refreshed: u64::try_from(refreshed).unwrap_or(0),
+        stopped: u64::try_from(stopped).unwrap_or(0),
+    })
+}

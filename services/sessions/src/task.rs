@@ -1,0 +1,458 @@
+//! The task model: what a task is, typed.
+//!
+//! [`Task`] is the live state the leader changes and the store reads and writes; every kind,
+//! role and state in it is an enum. Text appears only at the database edge
+//! ([`crate::store`]) and on the wire. State changes go through [`Task::enter`], which holds
+//! them to the state machine of [`TaskState::can_become`].
+
+use proto_schemas::sessions::{TaskState, TaskView};
+use proto_schemas::{ClientType, Command, ErrorCode, Platform};
+use serde_json::Value;
+
+/// Who asked for a task; a client requester is told of its task's end by frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Requester {
+    /// A WebSocket client (constellation or device).
+    Client {
+        /// The client id it registered with.
+        id: String,
+        /// Galaxy's constellations and UFO's devices are held to different rules.
+        client_type: ClientType,
+    },
+    /// A REST caller, by the id it gave.
+    Rest(String),
+    /// A NATS client, by the agent id it gave.
+    Nats(String),
+}
+
+/// The transport a requester used, as stored in `tasks.requester_kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequesterKind {
+    /// `client`
+    Client,
+    /// `rest`
+    Rest,
+    /// `nats`
+    Nats,
+}
+
+impl RequesterKind {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequesterKind::Client => "client",
+            RequesterKind::Rest => "rest",
+            RequesterKind::Nats => "nats",
+        }
+    }
+
+    /// Parses the stored text.
+    pub fn from_db(s: &str) -> Option<Self> {
+        [
+            RequesterKind::Client,
+            RequesterKind::Rest,
+            RequesterKind::Nats,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+    }
+}
+
+impl Requester {
+    pub fn kind(&self) -> RequesterKind {
+        match self {
+            Requester::Client { .. } => RequesterKind::Client,
+            Requester::Rest(_) => RequesterKind::Rest,
+            Requester::Nats(_) => RequesterKind::Nats,
+        }
+    }
+
+    /// The id it gave; the owner of the task's id.
+    pub fn id(&self) -> &str {
+        match self {
+            Requester::Client { id, .. } | Requester::Rest(id) | Requester::Nats(id) => id,
+        }
+    }
+
+    /// The client to tell of the task's end by frame (REST and NATS callers ask instead).
+    pub fn client_id(&self) -> Option<&str> {
+        match self {
+            Requester::Client { id, .. } => Some(id),
+            Requester::Rest(_) | Requester::Nats(_) => None,
+        }
+    }
+
+    /// As REST shows it: a client's id, or `rest:<id>` / `nats:<id>`.
+    pub fn display(&self) -> String {
+        match self {
+            Requester::Client { id, .. } => id.clone(),
+            other => format!("{}:{}", other.kind().as_str(), other.id()),
+        }
+    }
+}
+
+/// How the steps of a task are decided.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// The task carries its steps; the service sends them one by one.
+    Scripted(Vec<Vec<Command>>),
+    /// A planner on `planner.next` decides each step from the last results.
+    Remote,
+    /// The requester sends commands itself (REST) and ends the task.
+    Driver,
+}
+
+/// The kind of a [`Plan`], as stored in `tasks.planner`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlannerKind {
+    /// `scripted`
+    Scripted,
+    /// `remote`
+    Remote,
+    /// `driver`
+    Driver,
+}
+
+impl PlannerKind {
+    /// The stored text (also used in messages to users).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PlannerKind::Scripted => "scripted",
+            PlannerKind::Remote => "remote",
+            PlannerKind::Driver => "driver",
+        }
+    }
+
+    /// Parses the stored text.
+    pub fn from_db(s: &str) -> Option<Self> {
+        [
+            PlannerKind::Scripted,
+            PlannerKind::Remote,
+            PlannerKind::Driver,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+    }
+}
+
+impl Plan {
+    pub fn kind(&self) -> PlannerKind {
+        match self {
+            Plan::Scripted(_) => PlannerKind::Scripted,
+            Plan::Remote => PlannerKind::Remote,
+            Plan::Driver => PlannerKind::Driver,
+        }
+    }
+}
+
+/// What a live task waits for before it can move on. One at a time: a UFO dispatch waits
+/// for the device's echo, then for its first plan, then for the results of each command.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Waiting {
+    /// Nothing the service drives: queued, ended, or a driven task between commands.
+    #[default]
+    Nothing,
+    /// A UFO dispatch: the device's client `task` frame echoing the server's.
+    Echo,
+    /// The next step is to be planned.
+    Plan,
+    /// The results of the command frame with this `response_id`.
+    Results {
+        /// The `response_id` of the command in flight.
+        response_id: String,
+    },
+}
+
+impl Waiting {
+    /// The command in flight, if results are awaited.
+    pub fn response_id(&self) -> Option<&str> {
+        match self {
+            Waiting::Results { response_id } => Some(response_id),
+            _ => None,
+        }
+    }
+}
+
+/// Why a task ended badly, with the code every transport reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskError {
+    /// The code of ERROR frames, HTTP bodies and NATS error headers.
+    pub code: ErrorCode,
+    /// What a person reads.
+    pub detail: String,
+}
+
+impl TaskError {
+    /// An error with its code.
+    pub fn new(code: ErrorCode, detail: impl Into<String>) -> Self {
+        TaskError {
+            code,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// The agent a task runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutorRef {
+    /// Its client id (commands go to its delivery subject).
+    pub id: String,
+    /// Decides the default UFO agent name of its commands.
+    pub platform: Platform,
+}
+
+/// A state change the state machine does not allow: a bug in the caller, refused rather than
+/// written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("task '{task_id}' cannot go from {} to {}", from.as_str(), to.as_str())]
+pub struct InvalidTransition {
+    pub task_id: String,
+    /// Where it stands.
+    pub from: TaskState,
+    /// Where it was asked to go.
+    pub to: TaskState,
+}
+
+/// A task, live or ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    /// Also its AIP `session_id`; Galaxy's ids are kept as given.
+    pub task_id: String,
+    /// UFO's `task_name`, by which `GET /api/task_result/{name}` finds it.
+    pub task_name: String,
+    /// Changed only through [`Task::enter`].
+    pub(crate) state: TaskState,
+    /// What was asked, in words.
+    pub request: String,
+    /// Structured input, passed to planners.
+    pub data: Option<Value>,
+    /// Who asked; owns the task id.
+    pub requester: Requester,
+    /// Who runs it.
+    pub executor: ExecutorRef,
+    /// What a capability lookup asked for (empty for an explicit target).
+    pub required_capabilities: Vec<String>,
+    /// Who decides the steps.
+    pub plan: Plan,
+    /// Index of the next step to plan.
+    pub step: i32,
+    /// What it waits for.
+    pub waiting: Waiting,
+    /// Started by UFO's `POST /api/dispatch`: dispatching sends a server `task` frame.
+    pub ufo_dispatch: bool,
+    /// Commands and results of every step, the default result of a scripted task.
+    pub history: Vec<Value>,
+    /// Higher runs first when the executor is busy.
+    pub priority: i32,
+    /// Set when it completed (or failed with a result).
+    pub result: Option<Value>,
+    /// Set when it failed or was canceled.
+    pub error: Option<TaskError>,
+    /// Where to report the outcome.
+    pub callback_url: Option<String>,
+    /// When the whole task times out (epoch ms).
+    pub task_deadline_ms: i64,
+    /// The nearest deadline: the task's, or the command's in flight (epoch ms).
+    pub deadline_ms: i64,
+    /// Epoch ms.
+    pub created_ms: i64,
+    /// Epoch ms.
+    pub updated_ms: i64,
+    /// The sequence number of the next event (gap-free from 1).
+    pub next_seq: i64,
+}
+
+impl Task {
+    /// Where it stands.
+    pub fn state(&self) -> TaskState {
+        self.state
+    }
+
+    /// Moves the task to `next`, if the state machine allows it.
+    pub fn enter(&mut self, next: TaskState) -> Result<(), InvalidTransition> {
+        if !self.state.can_become(next) {
+            return Err(InvalidTransition {
+                task_id: self.task_id.clone(),
+                from: self.state,
+                to: next,
+            });
+        }
+        self.state = next;
+        Ok(())
+    }
+
+    /// As REST shows it.
+    pub fn view(&self) -> TaskView {
+        TaskView {
+            task_id: self.task_id.clone(),
+            task_name: self.task_name.clone(),
+            state: self.state,
+            request: self.request.clone(),
+            requester: self.requester.display(),
+            executor_id: Some(self.executor.id.clone()),
+            priority: self.priority,
+            result: self.result.clone(),
+            error: self.error.as_ref().map(|e| e.detail.clone()),
+            error_code: self.error.as_ref().map(|e| e.code),
+            created_at: rfc3339(self.created_ms),
+            updated_at: rfc3339(self.updated_ms),
+            events: self.next_seq - 1,
+        }
+    }
+}
+
+/// Milliseconds since the epoch as RFC 3339.
+pub fn rfc3339(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Now, in epoch milliseconds.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// What an event in a task's log records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// The task was accepted.
+    Submitted,
+    /// It was sent to its executor.
+    Dispatched,
+    /// A device echoed a UFO dispatch.
+    Echoed,
+    /// A command frame was sent.
+    CommandSent,
+    /// The executor answered a command.
+    ResultsReceived,
+    /// It ended in this (terminal) state.
+    Ended(TaskState),
+}
+
+impl EventKind {
+    /// The `kind` of the event on the wire and in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Submitted => "submitted",
+            EventKind::Dispatched => "dispatched",
+            EventKind::Echoed => "echoed",
+            EventKind::CommandSent => "command_sent",
+            EventKind::ResultsReceived => "results_received",
+            EventKind::Ended(state) => state.as_str(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(state: TaskState) -> Task {
+        Task {
+            task_id: "t".into(),
+            task_name: "n".into(),
+            state,
+            request: "r".into(),
+            data: None,
+            requester: Requester::Rest("me".into()),
+            executor: ExecutorRef {
+                id: "d".into(),
+                platform: Platform::Linux,
+            },
+            required_capabilities: Vec::new(),
+            plan: Plan::Driver,
+            step: 0,
+            waiting: Waiting::Nothing,
+            ufo_dispatch: false,
+            history: Vec::new(),
+            priority: 0,
+            result: None,
+            error: None,
+            callback_url: None,
+            task_deadline_ms: 0,
+            deadline_ms: 0,
+            created_ms: 0,
+            updated_ms: 0,
+            next_seq: 1,
+        }
+    }
+
+    #[test]
+    fn the_lifecycle_of_a_task_is_allowed_step_by_step() {
+        let mut t = task(TaskState::Submitted);
+        for next in [
+            TaskState::Dispatched,
+            TaskState::Working,
+            TaskState::Working,
+            TaskState::Completed,
+        ] {
+            t.enter(next).expect("allowed");
+            assert_eq!(t.state(), next);
+        }
+    }
+
+    #[test]
+    fn an_ended_task_never_changes_and_a_refused_change_leaves_the_state() {
+        for end in [
+            TaskState::Completed,
+            TaskState::Failed,
+            TaskState::Canceled,
+            TaskState::Rejected,
+        ] {
+            let mut t = task(end);
+            for next in TaskState::ALL {
+                let refused = t.enter(*next).expect_err("terminal");
+                assert_eq!((refused.from, refused.to), (end, *next));
+                assert_eq!(t.state(), end);
+            }
+        }
+        let mut queued = task(TaskState::Submitted);
+        assert!(
+            queued.enter(TaskState::Working).is_err(),
+            "a queued task is dispatched before it works"
+        );
+        assert_eq!(queued.state(), TaskState::Submitted);
+    }
+
+    #[test]
+    fn any_live_task_can_fail_or_be_canceled() {
+        for from in TaskState::ALL.iter().filter(|s| !s.is_terminal()) {
+            for end in [TaskState::Failed, TaskState::Canceled] {
+                task(*from).enter(end).expect("always allowed while live");
+            }
+        }
+    }
+
+    #[test]
+    fn kinds_round_trip_through_their_stored_text() {
+        for kind in [
+            RequesterKind::Client,
+            RequesterKind::Rest,
+            RequesterKind::Nats,
+        ] {
+            assert_eq!(RequesterKind::from_db(kind.as_str()), Some(kind));
+        }
+        for kind in [
+            PlannerKind::Scripted,
+            PlannerKind::Remote,
+            PlannerKind::Driver,
+        ] {
+            assert_eq!(PlannerKind::from_db(kind.as_str()), Some(kind));
+        }
+        assert_eq!(PlannerKind::from_db("llm"), None);
+        assert_eq!(
+            Requester::Nats("agent".into()).display(),
+            "nats:agent",
+            "REST shows who asked with its transport"
+        );
+        assert_eq!(
+            Requester::Client {
+                id: "c".into(),
+                client_type: ClientType::Device
+            }
+            .display(),
+            "c"
+        );
+    }
+}

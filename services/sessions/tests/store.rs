@@ -1,0 +1,366 @@
+//! The session store, every function, on PostgreSQL and on SQLite.
+//!
+//! Rows are made the way the service makes them: tasks submitted to the leader's state
+//! machine, whose batches the leader's writer commits. Every read is then checked against
+//! what was written, with rows that match and rows that do not.
+
+use aip_sessions::machine::{Machine, NewTask, Placement, Plan, Prepared, Requester};
+use aip_sessions::settings::SessionSettings;
+use aip_sessions::store::{Batch, ListFilter, OutFrame, TaskStore, Writer, now_ms};
+use aip_store::testing::TestDatabase;
+use aip_testkit::{Backend, both_backends, test_database};
+use proto_schemas::registry::{AgentRecord, AgentStatus};
+use proto_schemas::sessions::TaskState;
+use proto_schemas::{ClientType, Command, ErrorCode, Platform, Subjects};
+use serde_json::json;
+
+fn device(id: &str) -> AgentRecord {
+    AgentRecord {
+        agent_id: id.to_owned(),
+        client_type: ClientType::Device,
+        status: AgentStatus::Available,
+        platform: Platform::Linux,
+        capabilities: Vec::new(),
+        tools: Vec::new(),
+        system_info: None,
+        metadata: None,
+        extensions: Vec::new(),
+        target_id: None,
+        gateway_id: "gw".to_owned(),
+        connection_id: "c".to_owned(),
+        load: 0,
+        connected_at: chrono::Utc::now(),
+        last_seen: chrono::Utc::now(),
+    }
+}
+
+fn scripted(steps: usize) -> Plan {
+    let command: Command = serde_json::from_value(
+        json!({ "tool_name": "echo", "tool_type": "action", "parameters": {"x": 1} }),
+    )
+    .expect("a command");
+    Plan::Scripted(vec![vec![command]; steps])
+}
+
+fn new_task(id: &str, name: &str, requester: Requester, executor: &str, plan: Plan) -> Prepared {
+    Prepared {
+        new: NewTask {
+            task_id: Some(id.to_owned()),
+            task_name: Some(name.to_owned()),
+            data: Some(json!({ "k": [1, 2] })),
+            priority: 3,
+            callback_url: Some("https://example.invalid/cb".to_owned()),
+            ..NewTask::new(
+                format!("do {id}"),
+                requester,
+                Placement::Target(executor.to_owned()),
+                plan,
+            )
+        },
+        candidates: vec![device(executor)],
+        existing_owner: None,
+    }
+}
+
+async fn lead(store: &TaskStore) -> Writer {
+    let mut spare = None;
+    store
+        .try_lead("store-suite", &mut spare)
+        .await
+        .expect("the database answers")
+        .expect("nobody else leads")
+}
+
+async fn commit(machine: &mut Machine, writer: &mut Writer) -> Batch {
+    let pending = machine.take();
+    writer
+        .write(&pending.batch)
+        .await
+        .expect("the batch is written");
+    machine.committed(&pending);
+    pending.batch
+}
+
+async fn every_store_function(backend: Backend) {
+    let db = test_database(backend).await.expect("a test database");
+    let database = db.connect().await.expect("connects");
+    database.migrate().await.expect("migrates");
+    let store = TaskStore::new(database.clone());
+    let mut writer = lead(&store).await;
+    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+
+    // Three tasks on two devices: a constellation's scripted task (runs), a REST task queued
+    // behind it, and a NATS driver task on another device; then the first is canceled.
+    let constellation = Requester::Client {
+        id: "galaxy".to_owned(),
+        client_type: ClientType::Constellation,
+    };
+    machine
+        .submit(
+            new_task("t1", "name-a", constellation, "d1", scripted(2)),
+            Some("frame-1"),
+        )
+        .expect("t1 starts");
+    machine
+        .submit(
+            new_task(
+                "t2",
+                "name-a",
+                Requester::Rest("ops".into()),
+                "d1",
+                scripted(1),
+            ),
+            None,
+        )
+        .expect("t2 is queued");
+    machine
+        .submit(
+            new_task(
+                "t3",
+                "name-b",
+                Requester::Nats("agent".into()),
+                "d2",
+                Plan::Driver,
+            ),
+            None,
+        )
+        .expect("t3 starts");
+    let first = commit(&mut machine, &mut writer).await;
+    assert_eq!(first.tasks.len(), 3);
+    assert!(
+        !first.outbox.is_empty(),
+        "the first step and the acknowledgement are queued"
+    );
+
+    // The written rows read back as the typed tasks the machine holds.
+    for written in &first.tasks {
+        let read = store
+            .get(&written.task_id)
+            .await
+            .expect("get")
+            .expect("found");
+        assert_eq!(&read, written, "a task survives the round trip unchanged");
+    }
+    assert!(store.get("nope").await.expect("get").is_none());
+    let t1 = store.get("t1").await.expect("get").expect("t1");
+    assert_eq!(t1.state(), TaskState::Working);
+    assert_eq!(t1.requester.display(), "galaxy");
+    let t3 = store.get("t3").await.expect("get").expect("t3");
+    assert_eq!(t3.requester.display(), "nats:agent");
+    assert_eq!(t3.plan, Plan::Driver);
+
+    // Ending t1 dispatches t2; the error and its code are stored typed.
+    machine.cancel("t1", "operator").expect("cancel");
+    commit(&mut machine, &mut writer).await;
+    let t1 = store.get("t1").await.expect("get").expect("t1");
+    assert_eq!(t1.state(), TaskState::Canceled);
+    let error = t1.error.expect("an error");
+    assert_eq!(error.code, ErrorCode::TaskCanceled);
+    assert_eq!(error.detail, "canceled: operator");
+    assert_eq!(
+        store.get("t2").await.expect("get").expect("t2").state(),
+        TaskState::Working
+    );
+
+    // The newest task of a name.
+    let named = store.get_by_name("name-a").await.expect("by name");
+    assert!(named.is_some_and(|t| t.task_name == "name-a"));
+    assert!(
+        store
+            .get_by_name("name-z")
+            .await
+            .expect("by name")
+            .is_none()
+    );
+
+    // Listing: filters, and pages that together hold every row once.
+    let all = |f: ListFilter| ListFilter { limit: 10, ..f };
+    let ids = |tasks: Vec<aip_sessions::task::Task>| {
+        tasks.into_iter().map(|t| t.task_id).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        ids(store
+            .list(all(ListFilter {
+                state: Some(TaskState::Canceled),
+                ..ListFilter::default()
+            }))
+            .await
+            .expect("list")),
+        ["t1"]
+    );
+    assert_eq!(
+        ids(store
+            .list(all(ListFilter {
+                executor: Some("d2".into()),
+                ..ListFilter::default()
+            }))
+            .await
+            .expect("list")),
+        ["t3"]
+    );
+    assert_eq!(
+        ids(store
+            .list(all(ListFilter {
+                requester: Some("ops".into()),
+                ..ListFilter::default()
+            }))
+            .await
+            .expect("list")),
+        ["t2"]
+    );
+    let mut by_name = ids(store
+        .list(all(ListFilter {
+            task_name: Some("name-a".into()),
+            ..ListFilter::default()
+        }))
+        .await
+        .expect("list"));
+    by_name.sort();
+    assert_eq!(by_name, ["t1", "t2"]);
+    assert!(
+        store
+            .list(all(ListFilter {
+                state: Some(TaskState::Completed),
+                ..ListFilter::default()
+            }))
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = store
+            .list(ListFilter {
+                cursor: cursor.clone(),
+                limit: 2,
+                ..ListFilter::default()
+            })
+            .await
+            .expect("a page");
+        let Some(last) = page.last() else { break };
+        cursor = Some((last.created_ms, last.task_id.clone()));
+        let full = page.len() == 2;
+        seen.extend(ids(page));
+        if !full {
+            break;
+        }
+    }
+    seen.sort();
+    assert_eq!(seen, ["t1", "t2", "t3"], "paging returns every task once");
+
+    // Events: gap-free, after a sequence number, at most a limit.
+    let events = store.events("t1", 0, 100).await.expect("events");
+    let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    assert_eq!(events[0].kind, "submitted");
+    assert_eq!(events.last().expect("one").state, TaskState::Canceled);
+    let later = store.events("t1", 2, 1).await.expect("events");
+    assert_eq!(later.len(), 1);
+    assert_eq!(later[0].seq, 3);
+    assert!(
+        store
+            .events("nope", 0, 10)
+            .await
+            .expect("events")
+            .is_empty()
+    );
+
+    // Owners, one and many.
+    assert_eq!(
+        store.owner("t1").await.expect("owner").as_deref(),
+        Some("galaxy")
+    );
+    assert_eq!(store.owner("nope").await.expect("owner"), None);
+    let owners = store
+        .owners(&["t2".to_owned(), "t3".to_owned(), "nope".to_owned()])
+        .await
+        .expect("owners");
+    assert_eq!(owners.len(), 2);
+    assert_eq!(owners["t2"], "ops");
+    assert_eq!(owners["t3"], "agent");
+
+    // A frame applied is recognised (the redelivery check), an unknown one is not.
+    assert!(store.processed("frame-1").await.expect("processed"));
+    assert!(!store.processed("frame-2").await.expect("processed"));
+
+    // The outbox: a row older than the cut is returned until it is marked published.
+    let stale = store
+        .stale_outbox(now_ms() + 60_000, 100)
+        .await
+        .expect("stale outbox");
+    assert!(!stale.is_empty(), "unpublished frames are found");
+    assert!(
+        store
+            .stale_outbox(0, 100)
+            .await
+            .expect("stale outbox")
+            .is_empty(),
+        "nothing is older than the epoch"
+    );
+    let published: Vec<String> = stale.iter().map(|f: &OutFrame| f.msg_id.clone()).collect();
+    machine.published(published);
+    // Forget processed ids older than a minute from now: frame-1 goes.
+    machine.prune_processed(now_ms() + 60_000);
+    commit(&mut machine, &mut writer).await;
+    assert!(
+        store
+            .stale_outbox(now_ms() + 60_000, 100)
+            .await
+            .expect("stale outbox")
+            .is_empty(),
+        "published rows leave the outbox"
+    );
+    assert!(
+        !store.processed("frame-1").await.expect("processed"),
+        "pruned ids are forgotten"
+    );
+
+    // A new leader takes over the live tasks only, as they were.
+    let live = writer.load_live().await.expect("live");
+    let mut live_ids: Vec<&str> = live.iter().map(|t| t.task_id.as_str()).collect();
+    live_ids.sort();
+    assert_eq!(live_ids, ["t2", "t3"]);
+
+    drop(writer);
+    database.close().await;
+    db.cleanup().await;
+}
+
+both_backends!(every_store_function);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_one_replica_leads_on_postgres() {
+    let db = TestDatabase::postgres().await.expect("a test database");
+    let database = db.connect().await.expect("connects");
+    database.migrate().await.expect("migrates");
+    let store = TaskStore::new(database.clone());
+    let leader = lead(&store).await;
+    let mut spare = None;
+    let second = store
+        .try_lead("store-suite", &mut spare)
+        .await
+        .expect("the database answers");
+    assert!(second.is_none(), "the lock is held");
+    assert!(spare.is_some(), "the standby keeps its connection");
+    drop(leader);
+    let mut taken = None;
+    for _ in 0..100 {
+        if let Some(w) = store
+            .try_lead("store-suite", &mut spare)
+            .await
+            .expect("the database answers")
+        {
+            taken = Some(w);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        taken.is_some(),
+        "the standby leads once the leader's connection is gone"
+    );
+    drop(taken);
+    database.close().await;
+    db.cleanup().await;
+}
