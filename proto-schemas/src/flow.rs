@@ -16,12 +16,13 @@ use crate::version::V1;
 pub struct TaskRequest {
     /// Always 1.
     pub version: V1,
-    /// The task's id; chosen by the broker when absent. At most 256 UTF-8 bytes
-    /// (`MAX_ID_BYTES`).
+    /// The task's id; chosen by the broker when absent.
+    // 256 is `MAX_ID_BYTES`, which counts UTF-8 bytes; the REST document can count characters.
     #[schema(min_length = 1, max_length = 256)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_id: Option<String>,
-    /// What to do, in words (sent to a UFO device as the task's request); not blank.
+    /// What to do, in words (sent to a UFO device as the task's request).
+    // Not blank: at least one character that `str::trim` keeps.
     #[schema(
         pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
     )]
