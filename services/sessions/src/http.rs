@@ -35,7 +35,7 @@ use utoipa_axum::routes;
 use crate::engine::{
     Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
 };
-use crate::store::{ListFilter, StoreError};
+use crate::store::{ListFilter, NUL, StoreError, storable};
 use crate::workers::new_task_from_request;
 
 impl From<StoreError> for ApiError {
@@ -348,12 +348,6 @@ fn not_found(id: &str) -> ApiError {
     ApiError::not_found(format!("no task '{id}'"))
 }
 
-/// NUL (U+0000): PostgreSQL text cannot hold it, so no stored id or name contains it, and a
-/// query naming one is not sent to the database.
-const NUL: char = '\0';
-/// What a NUL in a body's text is stored as ([`storable`]).
-const NUL_REPLACEMENT: &str = "\u{FFFD}";
-
 /// Refuses an id no task can have (it contains NUL) before it reaches the database.
 fn possible_id(id: &str) -> Result<(), ApiError> {
     if id.contains(NUL) {
@@ -367,27 +361,6 @@ fn possible_id(id: &str) -> Result<(), ApiError> {
 fn read_body<T: serde::de::DeserializeOwned>(mut body: Value) -> Result<T, ApiError> {
     storable(&mut body);
     serde_json::from_value(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
-}
-
-fn storable(value: &mut Value) {
-    match value {
-        Value::String(text) if text.contains(NUL) => {
-            *text = text.replace(NUL, NUL_REPLACEMENT);
-        }
-        Value::Array(items) => items.iter_mut().for_each(storable),
-        Value::Object(object) => {
-            if object.keys().any(|k| k.contains(NUL)) {
-                let entries = std::mem::take(object);
-                for (key, mut item) in entries {
-                    storable(&mut item);
-                    object.insert(key.replace(NUL, NUL_REPLACEMENT), item);
-                }
-            } else {
-                object.values_mut().for_each(storable);
-            }
-        }
-        _ => {}
-    }
 }
 
 /// Query of the event routes.

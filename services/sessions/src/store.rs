@@ -69,16 +69,66 @@ struct Column {
     cell: fn(&Task) -> Result<Cell, serde_json::Error>,
 }
 
+/// NUL (U+0000): PostgreSQL's text and jsonb cannot hold it. Whatever a client sends, stored
+/// text has it replaced by [`NUL_REPLACEMENT`] (on both databases alike), so that one client's
+/// NUL cannot fail the group commit it shares with everybody else's changes.
+pub const NUL: char = '\0';
+/// What a NUL is stored as.
+pub const NUL_REPLACEMENT: &str = "\u{FFFD}";
+
+/// `text` as it can be stored.
+pub fn storable_text(text: &str) -> String {
+    if text.contains(NUL) {
+        text.replace(NUL, NUL_REPLACEMENT)
+    } else {
+        text.to_owned()
+    }
+}
+
+/// `value` made storable: NUL in any string or key becomes [`NUL_REPLACEMENT`].
+pub fn storable(value: &mut Value) {
+    match value {
+        Value::String(text) if text.contains(NUL) => {
+            *text = text.replace(NUL, NUL_REPLACEMENT);
+        }
+        Value::Array(items) => items.iter_mut().for_each(storable),
+        Value::Object(object) => {
+            if object.keys().any(|k| k.contains(NUL)) {
+                let entries = std::mem::take(object);
+                for (key, mut item) in entries {
+                    storable(&mut item);
+                    object.insert(key.replace(NUL, NUL_REPLACEMENT), item);
+                }
+            } else {
+                object.values_mut().for_each(storable);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `value` as storable JSON text. (serde_json writes NUL as the escape `\u0000`, which jsonb
+/// refuses; only then is the value walked.)
+fn json_text<T: serde::Serialize>(value: &T) -> Result<String, serde_json::Error> {
+    let text = serde_json::to_string(value)?;
+    if !text.contains("\\u0000") {
+        return Ok(text);
+    }
+    let mut value = serde_json::to_value(value)?;
+    storable(&mut value);
+    serde_json::to_string(&value)
+}
+
 fn text(s: &str) -> Result<Cell, serde_json::Error> {
-    Ok(Cell::Text(Some(s.to_owned())))
+    Ok(Cell::Text(Some(storable_text(s))))
 }
 
 fn maybe(s: Option<&str>) -> Result<Cell, serde_json::Error> {
-    Ok(Cell::Text(s.map(str::to_owned)))
+    Ok(Cell::Text(s.map(storable_text)))
 }
 
 fn json<T: serde::Serialize>(value: Option<&T>) -> Result<Cell, serde_json::Error> {
-    value.map(serde_json::to_string).transpose().map(Cell::Text)
+    value.map(json_text).transpose().map(Cell::Text)
 }
 
 /// The `tasks` table, the one place its columns are listed.
@@ -660,7 +710,10 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
                 .push_bind(e.at_ms)
                 .push_bind(e.kind.as_str())
                 .push_bind(e.state.as_str())
-                .push_bind(e.data.clone().map(Json));
+                .push_bind(e.data.clone().map(|mut data| {
+                    storable(&mut data);
+                    Json(data)
+                }));
         });
         q.build().execute(&mut *tx).await?;
     }
@@ -758,7 +811,7 @@ async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), St
         let e = &batch.events;
         let data = e
             .iter()
-            .map(|e| e.data.as_ref().map(serde_json::to_string).transpose())
+            .map(|e| e.data.as_ref().map(json_text).transpose())
             .collect::<Result<Vec<Option<String>>, _>>()
             .map_err(|source| StoreError::Encode {
                 task_id: e[0].task_id.clone(),

@@ -364,3 +364,49 @@ async fn only_one_replica_leads_on_postgres() {
     database.close().await;
     db.cleanup().await;
 }
+
+/// A client's NUL (which PostgreSQL's text and jsonb refuse) is stored as U+FFFD, so it cannot
+/// fail the group commit it shares with other clients' changes.
+async fn text_with_nul_is_stored(backend: Backend) {
+    let db = test_database(backend).await.expect("a test database");
+    let database = db.connect().await.expect("connects");
+    database.migrate().await.expect("migrates");
+    let store = TaskStore::new(database.clone());
+    let mut writer = lead(&store).await;
+    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+    let mut nul = new_task(
+        "nul",
+        "nul",
+        Requester::Rest("ops".into()),
+        "d1",
+        scripted(1),
+    );
+    nul.new.request = "open\0notepad".to_owned();
+    nul.new.data = Some(json!({ "k\0": ["v\0"] }));
+    machine.submit(nul, None).expect("starts");
+    machine
+        .submit(
+            new_task(
+                "other",
+                "other",
+                Requester::Rest("ops".into()),
+                "d2",
+                scripted(1),
+            ),
+            None,
+        )
+        .expect("starts");
+    commit(&mut machine, &mut writer).await;
+    let stored = store.get("nul").await.expect("get").expect("stored");
+    assert_eq!(stored.request, "open\u{FFFD}notepad");
+    assert_eq!(stored.data, Some(json!({ "k\u{FFFD}": ["v\u{FFFD}"] })));
+    assert!(
+        store.get("other").await.expect("get").is_some(),
+        "the rest of the group is written"
+    );
+    drop(writer);
+    database.close().await;
+    db.cleanup().await;
+}
+
+both_backends!(text_with_nul_is_stored);
