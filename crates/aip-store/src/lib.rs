@@ -18,6 +18,7 @@
 pub mod sql;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod text;
 
 pub use sql::{AnyValue, Conn, FromAnyRow, List, Query, Sql, Timestamp, Tx};
 

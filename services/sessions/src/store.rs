@@ -9,6 +9,8 @@
 
 use std::sync::LazyLock;
 
+use aip_store::text::json_text;
+pub use aip_store::text::{NUL, NUL_REPLACEMENT, storable, storable_text};
 use aip_store::{Conn, Database, List, Sql};
 use proto_schemas::sessions::{TaskEvent, TaskState};
 use proto_schemas::{ClientType, Command, ErrorCode, Platform};
@@ -67,56 +69,6 @@ struct Column {
     kind: Kind,
     mutable: bool,
     cell: fn(&Task) -> Result<Cell, serde_json::Error>,
-}
-
-/// NUL (U+0000): PostgreSQL's text and jsonb cannot hold it. Whatever a client sends, stored
-/// text has it replaced by [`NUL_REPLACEMENT`] (on both databases alike), so that one client's
-/// NUL cannot fail the group commit it shares with everybody else's changes.
-pub const NUL: char = '\0';
-/// What a NUL is stored as.
-pub const NUL_REPLACEMENT: &str = "\u{FFFD}";
-
-/// `text` as it can be stored.
-pub fn storable_text(text: &str) -> String {
-    if text.contains(NUL) {
-        text.replace(NUL, NUL_REPLACEMENT)
-    } else {
-        text.to_owned()
-    }
-}
-
-/// `value` made storable: NUL in any string or key becomes [`NUL_REPLACEMENT`].
-pub fn storable(value: &mut Value) {
-    match value {
-        Value::String(text) if text.contains(NUL) => {
-            *text = text.replace(NUL, NUL_REPLACEMENT);
-        }
-        Value::Array(items) => items.iter_mut().for_each(storable),
-        Value::Object(object) => {
-            if object.keys().any(|k| k.contains(NUL)) {
-                let entries = std::mem::take(object);
-                for (key, mut item) in entries {
-                    storable(&mut item);
-                    object.insert(key.replace(NUL, NUL_REPLACEMENT), item);
-                }
-            } else {
-                object.values_mut().for_each(storable);
-            }
-        }
-        _ => {}
-    }
-}
-
-/// `value` as storable JSON text. (serde_json writes NUL as the escape `\u0000`, which jsonb
-/// refuses; only then is the value walked.)
-fn json_text<T: serde::Serialize>(value: &T) -> Result<String, serde_json::Error> {
-    let text = serde_json::to_string(value)?;
-    if !text.contains("\\u0000") {
-        return Ok(text);
-    }
-    let mut value = serde_json::to_value(value)?;
-    storable(&mut value);
-    serde_json::to_string(&value)
 }
 
 fn text(s: &str) -> Result<Cell, serde_json::Error> {
