@@ -68,9 +68,7 @@ pub struct LatencySummary {
     pub name: String,
     /// How many were timed.
     pub count: u64,
-    /// Mean.
     pub mean_ms: f64,
-    /// Median.
     pub p50_ms: f64,
     /// 90th percentile.
     pub p90_ms: f64,
@@ -78,7 +76,6 @@ pub struct LatencySummary {
     pub p99_ms: f64,
     /// 99.9th percentile.
     pub p999_ms: f64,
-    /// Slowest.
     pub max_ms: f64,
 }
 
@@ -94,7 +91,6 @@ pub struct FailureReason {
 /// CPU and memory of one process over the window.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProcessUsage {
-    /// Its pid.
     pub pid: u32,
     /// Its name (/proc/PID/comm).
     #[serde(default, skip_serializing_if = "Option::is_none")]

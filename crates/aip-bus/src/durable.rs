@@ -48,7 +48,6 @@ pub fn stream_name(prefix: &str, purpose: &str) -> String {
 
 /// A message from a durable consumer; it is redelivered until acked.
 pub struct Delivery {
-    /// The message.
     pub message: Message,
     /// How many times it has been delivered (1 the first time).
     pub delivered: u64,

@@ -22,7 +22,6 @@ pub enum BusError {
     PayloadTooLarge {
         /// The payload's size.
         size: usize,
-        /// The limit.
         limit: usize,
     },
     /// Replying to a message that is not a request.
@@ -36,7 +35,6 @@ pub enum BusError {
     Connect {
         /// The server URL.
         url: String,
-        /// The cause.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// No durable stream captures the subject (the service that creates it has not started).
@@ -44,7 +42,6 @@ pub enum BusError {
         "no durable stream captures `{subject}`: start the service that creates it (aip-sessions)"
     )]
     NoStream {
-        /// The subject.
         subject: String,
     },
     /// The bus has been shut down.
@@ -57,7 +54,6 @@ pub enum BusError {
         operation: &'static str,
         /// The subject involved.
         subject: String,
-        /// The cause.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// A header or body the bus itself writes could not be encoded.
@@ -65,7 +61,6 @@ pub enum BusError {
     Encode {
         /// What was being encoded.
         what: &'static str,
-        /// The cause.
         source: serde_json::Error,
     },
 }

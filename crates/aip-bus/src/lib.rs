@@ -41,9 +41,7 @@ pub struct Message {
     pub subject: String,
     /// Where to send the answer, for requests.
     pub reply: Option<String>,
-    /// Its headers.
     pub headers: Headers,
-    /// Its body.
     pub payload: Bytes,
 }
 

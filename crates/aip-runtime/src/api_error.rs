@@ -78,7 +78,6 @@ impl ApiError {
         }
     }
 
-    /// The code.
     pub fn code(&self) -> ErrorCode {
         self.body().error_code
     }

@@ -80,15 +80,12 @@ pub enum CredentialsError {
     /// The file could not be read.
     #[error("cannot read credentials file {path}: {source}")]
     Read {
-        /// The file.
         path: String,
-        /// The cause.
         source: std::io::Error,
     },
     /// The file is not valid.
     #[error("invalid credentials file {path}: {message}")]
     Invalid {
-        /// The file.
         path: String,
         /// What is wrong.
         message: String,

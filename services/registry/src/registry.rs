@@ -46,7 +46,6 @@ impl Registry {
         }
     }
 
-    /// The store.
     pub fn store(&self) -> &Arc<dyn AgentStore> {
         &self.store
     }

@@ -27,7 +27,6 @@ use crate::target::Target;
 /// What every client of a run shares (cheap to clone: one per client task).
 #[derive(Clone)]
 pub(crate) struct Ctx {
-    /// The broker.
     pub target: Arc<Target>,
     /// The run's load ends here, whatever is left.
     pub deadline: Instant,
@@ -121,7 +120,6 @@ impl Outcome {
         progress.done();
     }
 
-    /// A failure.
     pub fn failure(&mut self, reason: impl std::fmt::Display, progress: &Progress) {
         self.failures.add(reason);
         progress.failed();

@@ -51,11 +51,9 @@ macro_rules! say {
 pub struct Device {
     /// Its client id.
     pub id: String,
-    /// Its platform.
     pub platform: Platform,
     /// Announced capabilities.
     pub capabilities: Vec<String>,
-    /// Its tools.
     pub toolbox: Toolbox,
     /// Between heartbeats.
     pub heartbeat: Duration,
