@@ -42,7 +42,9 @@ pub fn task_request(args: &DispatchArgs) -> Result<TaskRequest, UsageError> {
         (
             "steps",
             steps::build(&args.step_sources)?
-                .map(|s| serde_json::to_value(s).unwrap_or(Value::Null)),
+                .map(serde_json::to_value)
+                .transpose()
+                .map_err(|e| UsageError(format!("the steps cannot be written as JSON: {e}")))?,
         ),
     ];
     for (key, value) in optional {

@@ -258,7 +258,7 @@ pub fn result_lines(result: &Value, tools: &ToolNames) -> String {
                 .all(|s| s.get("results").is_some_and(Value::is_array))
     });
     let Some(steps) = steps else {
-        let pretty = serde_json::to_string_pretty(result).unwrap_or_default();
+        let pretty = format!("{result:#}");
         return pretty.lines().map(|l| format!("  {l}\n")).collect();
     };
     let mut table = Table::new(&["  STEP", "TOOL", "STATUS", "OUTPUT"]);

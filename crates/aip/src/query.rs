@@ -124,7 +124,12 @@ pub async fn tasks(command: TasksCommand) -> anyhow::Result<()> {
             let mut tools = names(&events);
             let print = |event: &TaskEvent, tools: &ToolNames| {
                 if json {
-                    println!("{}", serde_json::to_string(event).unwrap_or_default());
+                    match serde_json::to_string(event) {
+                        Ok(line) => println!("{line}"),
+                        Err(e) => {
+                            eprintln!("aip: event {} cannot be written as JSON: {e}", event.seq)
+                        }
+                    }
                 } else {
                     println!(
                         "{:>4}  {}  {:<14}  {}",
