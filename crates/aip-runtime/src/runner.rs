@@ -12,6 +12,7 @@ use aip_bus::{NatsBus, SharedBus};
 use aip_store::{Database, DatabaseError, PoolOptions};
 use anyhow::Context;
 
+use crate::listener::Listening;
 use crate::service::{ServiceSettings, StartError};
 
 /// How long start-up waits for the database to accept connections (it may start later than
@@ -36,11 +37,14 @@ pub trait Service: Sized + Send + 'static {
     /// Why it stops abnormally.
     type RunError: std::error::Error + Send + Sync + 'static;
 
-    /// Builds it on a connected bus and, when its settings name one, an open database.
-    fn start(
+    /// Builds it on a connected bus and, when its settings name one, an open database:
+    /// checks the settings, migrates, subscribes, and opens its listener as `listening` says
+    /// (its own for the binary and tests; none embedded in `aip dev`).
+    fn build_with(
         settings: Self::Settings,
         bus: SharedBus,
         database: Option<Database>,
+        listening: Listening,
     ) -> impl Future<Output = Result<Self, StartError>> + Send;
 
     /// Serves until `shutdown` completes, then drains.
@@ -93,7 +97,7 @@ pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
         Some(url) => Some(connect_database(url, &settings.pool_options()).await?),
         None => None,
     };
-    let app = S::start(settings, Arc::new(bus), database.clone())
+    let app = S::build_with(settings, Arc::new(bus), database.clone(), Listening::Own)
         .await
         .with_context(|| format!("the {service} did not start"))?;
     let result = app.run_until(Box::pin(crate::shutdown::signal())).await;

@@ -15,7 +15,7 @@
 //! | `/openapi.json` | `aip dev` itself: both services' documents in one ([`openapi`]) |
 //! | everything else (`/api/tasks…`, `/api/dispatch`, `/api/task_result/…`) | session service |
 //!
-//! The services are built embedded (`build_embedded`): none binds a listener of its own; the
+//! The services are built embedded (`build_with` and `Listening::Embedded`): none binds a listener of its own; the
 //! address clients use is the one printed. Each is told that address, so its own rule about
 //! an open listener on the network holds too.
 //!
@@ -31,6 +31,8 @@ use std::time::Duration;
 
 use aip_bus::{LocalBus, NatsBus, SharedBus};
 use aip_runtime::health::Probes;
+use aip_runtime::listener::Listening;
+use aip_runtime::runner::Service as _;
 use aip_runtime::service::Exposure;
 use aip_store::Database;
 use anyhow::{Context, bail};
@@ -225,18 +227,28 @@ impl DevServer {
         registry.registry.listen = addr;
         registry.registry.api_keys = args.api_keys.clone();
         registry.registry.allow_no_auth = args.allow_no_auth;
-        let registry = aip_registry::Application::build_embedded(registry, bus.clone(), db.clone())
-            .await
-            .context("the registry did not start")?;
+        let registry = aip_registry::Application::build_with(
+            registry,
+            bus.clone(),
+            Some(db.clone()),
+            Listening::Embedded,
+        )
+        .await
+        .context("the registry did not start")?;
 
         let mut sessions: aip_sessions::Settings = aip_runtime::settings::load(config)?;
         sessions.subject_prefix = args.subject_prefix.clone();
         sessions.sessions.listen = addr;
         sessions.sessions.api_keys = args.api_keys.clone();
         sessions.sessions.allow_no_auth = args.allow_no_auth;
-        let sessions = aip_sessions::Application::build_embedded(sessions, bus.clone(), db.clone())
-            .await
-            .context("the session service did not start")?;
+        let sessions = aip_sessions::Application::build_with(
+            sessions,
+            bus.clone(),
+            Some(db.clone()),
+            Listening::Embedded,
+        )
+        .await
+        .context("the session service did not start")?;
 
         let mut gateway: aip_gateway::Settings = aip_runtime::settings::load(config)?;
         gateway.subject_prefix = args.subject_prefix.clone();
@@ -245,9 +257,10 @@ impl DevServer {
         if args.credentials_file.is_some() {
             gateway.gateway.credentials_file = args.credentials_file.clone();
         }
-        let gateway = aip_gateway::Application::build_embedded(gateway, bus.clone())
-            .await
-            .context("the gateway did not start")?;
+        let gateway =
+            aip_gateway::Application::build_with(gateway, bus.clone(), None, Listening::Embedded)
+                .await
+                .context("the gateway did not start")?;
 
         let stopping = CancellationToken::new();
         let document = openapi();

@@ -81,59 +81,7 @@ pub struct Application {
 impl Application {
     /// Validates settings, loads credentials and binds the listener.
     pub async fn build(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
-        Self::assemble(settings, bus, Listening::Own).await
-    }
-
-    /// As [`Application::build`], without a listener of its own: the caller serves
-    /// [`Application::router`] (`aip dev` on its one address).
-    pub async fn build_embedded(settings: Settings, bus: SharedBus) -> Result<Self, StartError> {
-        Self::assemble(settings, bus, Listening::Embedded).await
-    }
-
-    async fn assemble(
-        settings: Settings,
-        bus: SharedBus,
-        listening: Listening,
-    ) -> Result<Self, StartError> {
-        let subjects = settings.validate()?;
-        let credentials = match &settings.gateway.credentials_file {
-            Some(path) => Credentials::load(path)
-                .map_err(|e| StartError::invalid(ServiceName::Gateway, e.to_string()))?,
-            None => Credentials::disabled(),
-        };
-        let blobs = aip_bus::BlobStore::for_subjects(&subjects);
-        if let Err(e) = bus.ensure_stream(blobs.stream_spec()).await {
-            tracing::warn!(
-                "cannot create the blob stream (frames over the bus limit will fail): {e}"
-            );
-        }
-        let listener =
-            ServiceListener::open(ServiceName::Gateway, settings.gateway.listen, listening).await?;
-        let gateway_id = settings
-            .gateway
-            .gateway_id
-            .clone()
-            .unwrap_or_else(default_gateway_id);
-        let registry = aip_bus::registry::RegistryClient::new(
-            bus.clone(),
-            subjects.clone(),
-            std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
-        );
-        let state = Arc::new(AppState {
-            registry,
-            connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
-            settings,
-            gateway_id,
-            blobs: aip_bus::BlobStore::for_subjects(&subjects),
-            bus,
-            subjects,
-            credentials,
-            presence: Arc::new(presence::PresenceTable::default()),
-            devices: devices::LocalDevices::default(),
-            shutdown: CancellationToken::new(),
-            tracker: TaskTracker::new(),
-        });
-        Ok(Application { listener, state })
+        <Self as runner::Service>::build_with(settings, bus, None, Listening::Own).await
     }
 
     /// The bound address (useful with port 0); embedded, the configured address.
@@ -205,12 +153,51 @@ impl runner::Service for Application {
     type Settings = Settings;
     type RunError = std::io::Error;
 
-    async fn start(
+    async fn build_with(
         settings: Settings,
         bus: SharedBus,
         _database: Option<Database>,
+        listening: Listening,
     ) -> Result<Self, StartError> {
-        Application::build(settings, bus).await
+        let subjects = settings.validate()?;
+        let credentials = match &settings.gateway.credentials_file {
+            Some(path) => Credentials::load(path)
+                .map_err(|e| StartError::invalid(ServiceName::Gateway, e.to_string()))?,
+            None => Credentials::disabled(),
+        };
+        let blobs = aip_bus::BlobStore::for_subjects(&subjects);
+        if let Err(e) = bus.ensure_stream(blobs.stream_spec()).await {
+            tracing::warn!(
+                "cannot create the blob stream (frames over the bus limit will fail): {e}"
+            );
+        }
+        let listener =
+            ServiceListener::open(ServiceName::Gateway, settings.gateway.listen, listening).await?;
+        let gateway_id = settings
+            .gateway
+            .gateway_id
+            .clone()
+            .unwrap_or_else(default_gateway_id);
+        let registry = aip_bus::registry::RegistryClient::new(
+            bus.clone(),
+            subjects.clone(),
+            std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
+        );
+        let state = Arc::new(AppState {
+            registry,
+            connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
+            settings,
+            gateway_id,
+            blobs: aip_bus::BlobStore::for_subjects(&subjects),
+            bus,
+            subjects,
+            credentials,
+            presence: Arc::new(presence::PresenceTable::default()),
+            devices: devices::LocalDevices::default(),
+            shutdown: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+        });
+        Ok(Application { listener, state })
     }
 
     async fn run_until(self, shutdown: Shutdown) -> std::io::Result<()> {

@@ -59,60 +59,7 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        Self::assemble(settings, bus, db, Listening::Own).await
-    }
-
-    /// As [`Application::build`], without a listener of its own: the caller serves
-    /// [`Application::router`] (`aip dev` on its one address).
-    pub async fn build_embedded(
-        settings: Settings,
-        bus: SharedBus,
-        db: Database,
-    ) -> Result<Self, StartError> {
-        Self::assemble(settings, bus, db, Listening::Embedded).await
-    }
-
-    async fn assemble(
-        settings: Settings,
-        bus: SharedBus,
-        db: Database,
-        listening: Listening,
-    ) -> Result<Self, StartError> {
-        let subjects = settings.validate()?;
-        let Settings {
-            registry: settings, ..
-        } = settings;
-        db.migrate().await?;
-        let store = store::for_database(&db);
-        let requests = RequestSubscriptions::subscribe(&*bus, &subjects).await?;
-        let presence = bus
-            .queue_subscribe(subjects.presence_all(), QUEUE_GROUP.to_owned())
-            .await?;
-        let listener =
-            ServiceListener::open(ServiceName::Registry, settings.listen, listening).await?;
-        let http_addr = listener.local_addr();
-        if settings.api_keys.is_empty() {
-            tracing::warn!(%http_addr, "no API keys configured: /api/* is open (loopback or allow_no_auth)");
-        }
-        tracing::info!(
-            %http_addr,
-            embedded = !listener.is_bound(),
-            prefix = %subjects.prefix(),
-            database = %db.backend(),
-            liveness_ms = settings.liveness_ms,
-            "registry ready"
-        );
-        let probes = Probes::new().bus(bus.clone()).database(db);
-        Ok(Application {
-            settings,
-            listener,
-            bus,
-            subjects,
-            store,
-            probes,
-            requests,
-            presence,
-        })
+        <Self as runner::Service>::build_with(settings, bus, Some(db), Listening::Own).await
     }
 
     /// Where the REST API listens (useful with port 0); embedded, the configured address.
@@ -248,13 +195,48 @@ impl runner::Service for Application {
     type Settings = Settings;
     type RunError = RunError;
 
-    async fn start(
+    async fn build_with(
         settings: Settings,
         bus: SharedBus,
         database: Option<Database>,
+        listening: Listening,
     ) -> Result<Self, StartError> {
-        let database = runner::require_database(ServiceName::Registry, database)?;
-        Application::build(settings, bus, database).await
+        let db = runner::require_database(ServiceName::Registry, database)?;
+        let subjects = settings.validate()?;
+        let Settings {
+            registry: settings, ..
+        } = settings;
+        db.migrate().await?;
+        let store = store::for_database(&db);
+        let requests = RequestSubscriptions::subscribe(&*bus, &subjects).await?;
+        let presence = bus
+            .queue_subscribe(subjects.presence_all(), QUEUE_GROUP.to_owned())
+            .await?;
+        let listener =
+            ServiceListener::open(ServiceName::Registry, settings.listen, listening).await?;
+        let http_addr = listener.local_addr();
+        if settings.api_keys.is_empty() {
+            tracing::warn!(%http_addr, "no API keys configured: /api/* is open (loopback or allow_no_auth)");
+        }
+        tracing::info!(
+            %http_addr,
+            embedded = !listener.is_bound(),
+            prefix = %subjects.prefix(),
+            database = %db.backend(),
+            liveness_ms = settings.liveness_ms,
+            "registry ready"
+        );
+        let probes = Probes::new().bus(bus.clone()).database(db);
+        Ok(Application {
+            settings,
+            listener,
+            bus,
+            subjects,
+            store,
+            probes,
+            requests,
+            presence,
+        })
     }
 
     async fn run_until(self, shutdown: Shutdown) -> Result<(), RunError> {

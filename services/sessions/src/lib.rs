@@ -52,39 +52,7 @@ impl Application {
         bus: SharedBus,
         db: Database,
     ) -> Result<Self, StartError> {
-        Self::assemble(settings, bus, db, Listening::Own).await
-    }
-
-    /// As [`Application::build`], without a listener of its own: the caller serves
-    /// [`Application::router`] (`aip dev` on its one address).
-    pub async fn build_embedded(
-        settings: Settings,
-        bus: SharedBus,
-        db: Database,
-    ) -> Result<Self, StartError> {
-        Self::assemble(settings, bus, db, Listening::Embedded).await
-    }
-
-    async fn assemble(
-        settings: Settings,
-        bus: SharedBus,
-        db: Database,
-        listening: Listening,
-    ) -> Result<Self, StartError> {
-        let subjects = settings.validate()?;
-        db.migrate().await?;
-        let store = store::TaskStore::new(db);
-        let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
-        workers::ensure_frames_stream(&engine).await?;
-        let listener =
-            ServiceListener::open(ServiceName::Sessions, settings.sessions.listen, listening)
-                .await?;
-        Ok(Application {
-            listener,
-            engine,
-            settings,
-            applier,
-        })
+        <Self as runner::Service>::build_with(settings, bus, Some(db), Listening::Own).await
     }
 
     /// The bound address; embedded, the configured address.
@@ -171,13 +139,27 @@ impl runner::Service for Application {
     type Settings = Settings;
     type RunError = std::io::Error;
 
-    async fn start(
+    async fn build_with(
         settings: Settings,
         bus: SharedBus,
         database: Option<Database>,
+        listening: Listening,
     ) -> Result<Self, StartError> {
-        let database = runner::require_database(ServiceName::Sessions, database)?;
-        Application::build(settings, bus, database).await
+        let db = runner::require_database(ServiceName::Sessions, database)?;
+        let subjects = settings.validate()?;
+        db.migrate().await?;
+        let store = store::TaskStore::new(db);
+        let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
+        workers::ensure_frames_stream(&engine).await?;
+        let listener =
+            ServiceListener::open(ServiceName::Sessions, settings.sessions.listen, listening)
+                .await?;
+        Ok(Application {
+            listener,
+            engine,
+            settings,
+            applier,
+        })
     }
 
     async fn run_until(self, shutdown: Shutdown) -> std::io::Result<()> {
