@@ -10,9 +10,17 @@
 //! offline the reaper publishes the end of the agent's connection into the frames stream, as a
 //! gateway would: the session service fails the tasks it executes and cancels the tasks it
 //! asked for, instead of leaving them `working` until their command timeout.
+//!
+//! Silence is only evidence while the registry itself can hear: presence travels on the bus,
+//! so while this registry's bus connection is down every gateway looks silent. The reaper
+//! therefore reaps only after its bus has answered for a whole liveness window, as it does
+//! after its own start. Without this, a NATS restart longer than the window took every live
+//! agent offline the moment the registry reconnected, and failed their tasks.
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use aip_bus::{BusError, Headers, SharedBus, names};
 use proto_schemas::sessions::{ConnectionClosed, GatewayEvent};
@@ -36,6 +44,40 @@ pub struct Notices {
 /// Gateways silent this long, holding no live agent, are forgotten.
 pub const FORGET_GATEWAYS_AFTER: Duration = Duration::from_secs(24 * 3600);
 
+/// How long the reaper waits for its bus to flush before it takes the bus as down: far above
+/// a flush on a live connection (sub-millisecond locally), far below any liveness window.
+const BUS_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Whether the registry has heard the bus long enough for silence to mean something.
+#[derive(Debug)]
+struct Hearing {
+    /// Since when the bus has answered every probe; `None` while it does not.
+    since: Option<Instant>,
+}
+
+impl Hearing {
+    /// Heard from `start` on: the first window after the start is the start's grace.
+    fn new(start: Instant) -> Self {
+        Hearing { since: Some(start) }
+    }
+
+    /// Records one probe of the bus.
+    fn probe(&mut self, reachable: bool, now: Instant) {
+        match (reachable, self.since) {
+            (true, None) => self.since = Some(now),
+            (false, _) => self.since = None,
+            (true, Some(_)) => {}
+        }
+    }
+
+    /// Whether gateways silent now were silent while the registry could hear them: the bus has
+    /// answered for at least `window`.
+    fn may_reap(&self, now: Instant, window: Duration) -> bool {
+        self.since
+            .is_some_and(|since| now.saturating_duration_since(since) >= window)
+    }
+}
+
 /// Reaps every `interval` until `stop` is cancelled. The first reap waits `grace` (one
 /// liveness window after start), so that after a registry outage gateways get the chance to
 /// report before their agents are judged.
@@ -47,6 +89,7 @@ pub async fn run(
     grace: Duration,
     stop: CancellationToken,
 ) {
+    let mut hearing = Hearing::new(Instant::now());
     tokio::select! {
         () = stop.cancelled() => return,
         () = tokio::time::sleep(grace) => {}
@@ -57,6 +100,20 @@ pub async fn run(
         tokio::select! {
             () = stop.cancelled() => return,
             _ = ticker.tick() => {}
+        }
+        let reachable = matches!(
+            tokio::time::timeout(BUS_PROBE_TIMEOUT, notices.bus.flush()).await,
+            Ok(Ok(()))
+        );
+        let was_hearing = hearing.since.is_some();
+        hearing.probe(reachable, Instant::now());
+        if was_hearing && !reachable {
+            tracing::warn!(
+                "the bus does not answer: no agent is reaped until it has answered for a liveness window"
+            );
+        }
+        if !hearing.may_reap(Instant::now(), grace) {
+            continue;
         }
         match store.reap(&windows, FORGET_GATEWAYS_AFTER).await {
             Ok(reaped) if !reaped.is_empty() => {
@@ -113,5 +170,31 @@ async fn announce_end(store: &dyn AgentStore, notices: &Notices, agent_id: &str)
         Err(e) => {
             tracing::warn!(agent = %agent_id, "the end of a reaped connection was not published: {e}")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WINDOW: Duration = Duration::from_secs(15);
+
+    #[test]
+    fn reaps_only_after_hearing_the_bus_for_a_whole_window() {
+        let start = Instant::now();
+        let mut hearing = Hearing::new(start);
+        assert!(!hearing.may_reap(start, WINDOW), "the start's grace");
+        assert!(hearing.may_reap(start + WINDOW, WINDOW));
+
+        // The bus goes down: nothing is reaped while it is down.
+        hearing.probe(false, start + Duration::from_secs(1));
+        assert!(!hearing.may_reap(start + Duration::from_secs(30), WINDOW));
+
+        // Back at 20 s: gateways get one window to report before anyone is judged.
+        let back = start + Duration::from_secs(20);
+        hearing.probe(true, back);
+        hearing.probe(true, back + Duration::from_secs(5));
+        assert!(!hearing.may_reap(back + Duration::from_secs(14), WINDOW));
+        assert!(hearing.may_reap(back + WINDOW, WINDOW));
     }
 }
