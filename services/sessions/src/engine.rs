@@ -542,10 +542,10 @@ impl Engine {
         }
     }
 
-    /// Runs a registry request, and runs it again while no registry is running, for up to
-    /// [`REGISTRY_OUTAGE_WAIT`]: a registry restarting (or failing over) delays the tasks that
-    /// need it instead of refusing them. A registry that answers late is not asked again (it
-    /// already had the request timeout).
+    /// Runs a registry request, and runs it again while no registry answers (none running, or
+    /// the bus itself restarting), for up to [`REGISTRY_OUTAGE_WAIT`]: an outage of a few
+    /// seconds delays the tasks that need the registry instead of refusing them. A refusal by
+    /// the registry is final.
     async fn patiently<T, F, Fut>(&self, request: F) -> Result<T, RegistryError>
     where
         F: Fn() -> Fut,
@@ -555,10 +555,10 @@ impl Engine {
         let mut delay = REGISTRY_RETRY_FIRST_DELAY;
         loop {
             match request().await {
-                Err(RegistryError::NotRunning)
+                Err(e @ (RegistryError::NotRunning | RegistryError::Unanswered(_)))
                     if tokio::time::Instant::now() + delay < deadline =>
                 {
-                    tracing::debug!("no agent registry is running; asking again in {delay:?}");
+                    tracing::debug!("{e}; asking the registry again in {delay:?}");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(REGISTRY_RETRY_MAX_DELAY);
                 }
