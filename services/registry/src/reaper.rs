@@ -23,6 +23,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use aip_bus::{BusError, Headers, SharedBus, names};
+use proto_schemas::registry::AgentStatus;
 use proto_schemas::sessions::{ConnectionClosed, GatewayEvent};
 use proto_schemas::{Subjects, V1};
 use tokio_util::sync::CancellationToken;
@@ -133,8 +134,10 @@ pub async fn run(
 /// A failure is logged: the tasks then end at their own deadlines, as before.
 async fn announce_end(store: &dyn AgentStore, notices: &Notices, agent_id: &str) {
     let agent = match store.get(agent_id).await {
-        Ok(Some(agent)) => agent,
-        Ok(None) => return,
+        Ok(Some(agent)) if agent.status == AgentStatus::Offline => agent,
+        // Registered again since it was reaped: the end of that newer connection is not ours
+        // to announce.
+        Ok(Some(_)) | Ok(None) => return,
         Err(e) => {
             tracing::warn!(agent = %agent_id, "cannot read a reaped agent to end its tasks: {e}");
             return;
