@@ -182,6 +182,11 @@ fn parse<Req: DeserializeOwned>(name: &str, payload: &[u8]) -> Result<Req, Error
     })
 }
 
+/// What a request gets when its reply cannot be encoded: a fixed `Reply::Error`, written out so
+/// that it needs no encoding itself.
+const UNENCODABLE_REPLY: &[u8] =
+    br#"{"error":{"detail":"the registry could not encode its reply","error_code":"INTERNAL"}}"#;
+
 /// Sends the reply (the error code also as a header).
 pub(crate) async fn reply<T: Serialize>(
     bus: &dyn Bus,
@@ -197,14 +202,24 @@ pub(crate) async fn reply<T: Serialize>(
         Err(e) => {
             tracing::error!(subject = %request.subject, "reply not serialisable: {e}");
             headers.insert(names::ERROR_CODE, ErrorCode::Internal.as_str());
-            let fallback: Reply<()> = Reply::Error(ErrorBody::new(
-                ErrorCode::Internal,
-                "the registry could not encode its reply",
-            ));
-            serde_json::to_vec(&fallback).unwrap_or_default()
+            UNENCODABLE_REPLY.to_vec()
         }
     };
     if let Err(e) = aip_bus::respond(bus, request, headers, body.into()).await {
         tracing::warn!(subject = %request.subject, "reply not sent: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fixed_reply_is_a_reply_error_with_the_internal_code() {
+        let reply: Reply<()> = serde_json::from_slice(UNENCODABLE_REPLY).expect("a Reply");
+        match reply {
+            Reply::Error(body) => assert_eq!(body.error_code, ErrorCode::Internal),
+            Reply::Ok(()) => panic!("not an error"),
+        }
     }
 }
