@@ -17,6 +17,12 @@ pub const BLOB_HEADER: &str = "Aip-Blob";
 /// Room left in a message for headers and subject.
 const HEADROOM: usize = 16 * 1024;
 
+/// Largest body a blob reference may claim: ten times the largest frame UFO exchanges.
+/// The receiver reserves the claimed size before reading the chunks, so a corrupt or forged
+/// `Aip-Blob` header must not be able to make it reserve more (a claim of many GiB aborts the
+/// process when the allocation fails).
+pub const MAX_BLOB_BYTES: usize = 10 * proto_schemas::MAX_FRAME_BYTES;
+
 /// Where a stored body is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlobRef {
@@ -120,7 +126,67 @@ pub async fn payload_of(bus: &dyn Bus, message: &Message) -> Result<Bytes, BusEr
                 subject: message.subject.clone(),
                 source: Box::new(e),
             })?;
+            if blob.size > MAX_BLOB_BYTES {
+                return Err(BusError::PayloadTooLarge {
+                    size: blob.size,
+                    limit: MAX_BLOB_BYTES,
+                });
+            }
             bus.get_blob(blob).await
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LocalBus;
+
+    fn with_blob_header(text: &str) -> Message {
+        Message {
+            subject: "aip.frames.x".to_owned(),
+            reply: None,
+            headers: Headers::new().with(BLOB_HEADER, text),
+            payload: Bytes::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reference_claiming_a_huge_size_is_refused_without_reserving_it() {
+        // Found by the `bus_payload` fuzz target: the claimed size was reserved up front,
+        // and a forged header aborted the receiving service.
+        let bus = LocalBus::new();
+        let message = with_blob_header(r#"{"stream":"s","sequences":[],"size":99999999999}"#);
+        let result = payload_of(&bus, &message).await;
+        assert!(
+            matches!(
+                result,
+                Err(BusError::PayloadTooLarge {
+                    size: 99_999_999_999,
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_large_body_travels_as_a_blob_and_reads_back() {
+        let bus = LocalBus::with_limits(16, 64 * 1024);
+        let store = BlobStore::for_subjects(&proto_schemas::Subjects::default());
+        let body = Bytes::from(vec![7u8; 200 * 1024]);
+        let mut headers = Headers::new();
+        let payload = store
+            .store(&bus, &mut headers, body.clone())
+            .await
+            .expect("stored");
+        assert!(payload.is_empty());
+        let message = Message {
+            subject: "aip.frames.x".to_owned(),
+            reply: None,
+            headers,
+            payload,
+        };
+        assert_eq!(payload_of(&bus, &message).await.expect("read back"), body);
     }
 }
