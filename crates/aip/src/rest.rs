@@ -92,6 +92,8 @@ impl Broker {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err(RestError::InvalidBase(args.rest.clone()));
         }
+        // The TLS provider is the process's; a library caller (or a test) may not have set it.
+        aip_runtime::install_crypto_provider();
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .build()
