@@ -41,9 +41,7 @@ pub enum BusError {
     #[error(
         "no durable stream captures `{subject}`: start the service that creates it (aip-sessions)"
     )]
-    NoStream {
-        subject: String,
-    },
+    NoStream { subject: String },
     /// The bus has been shut down.
     #[error("the bus is closed")]
     Closed,

@@ -13,6 +13,7 @@
 
 mod client;
 pub mod frames;
+pub mod openapi;
 mod service;
 mod wait;
 
@@ -62,6 +63,30 @@ pub fn prefix() -> String {
 
 pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// What the registry answers for an available Linux device with nothing else announced, as
+/// tests that stand in for the registry hand it to the session service.
+pub fn device_record(id: &str) -> proto_schemas::registry::AgentRecord {
+    use proto_schemas::registry::{AgentRecord, AgentStatus};
+    use proto_schemas::{ClientType, Platform};
+    AgentRecord {
+        agent_id: id.to_owned(),
+        client_type: ClientType::Device,
+        status: AgentStatus::Available,
+        platform: Platform::Linux,
+        capabilities: Vec::new(),
+        tools: Vec::new(),
+        system_info: None,
+        metadata: None,
+        extensions: Vec::new(),
+        target_id: None,
+        gateway_id: "gw".to_owned(),
+        connection_id: "c".to_owned(),
+        load: 0,
+        connected_at: chrono::Utc::now(),
+        last_seen: chrono::Utc::now(),
+    }
 }
 
 /// A fresh, empty database of `backend`'s kind (not migrated).

@@ -1,7 +1,9 @@
-//! The checked-in `openapi.json` matches what the registry serves.
+//! The checked-in `openapi.json` matches what the registry serves, and the document holds
+//! together (the test kit's checks, shared with the session service).
 //!
 //! Regenerate: `AIP_UPDATE_SCHEMAS=1 cargo test -p aip-registry --test openapi`.
 
+use aip_testkit::openapi;
 use serde_json::Value;
 
 fn document() -> Value {
@@ -10,53 +12,20 @@ fn document() -> Value {
 
 #[test]
 fn checked_in_openapi_is_current() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi.json");
-    let mut generated = serde_json::to_string_pretty(&document()).expect("serialises");
-    generated.push('\n');
-    if std::env::var_os("AIP_UPDATE_SCHEMAS").is_some_and(|v| v == "1") {
-        std::fs::write(&path, &generated).expect("write openapi.json");
-    }
-    let current = std::fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        current == generated,
-        "services/registry/openapi.json is stale; regenerate with: AIP_UPDATE_SCHEMAS=1 cargo test -p aip-registry --test openapi"
-    );
+    openapi::assert_checked_in(env!("CARGO_MANIFEST_DIR"), "aip-registry", &document());
 }
 
 #[test]
 fn openapi_references_resolve() {
-    let doc = document();
-    let text = doc.to_string();
-    for r in text
-        .split("\"$ref\":\"")
-        .skip(1)
-        .filter_map(|rest| rest.split('"').next())
-    {
-        let pointer = r
-            .strip_prefix('#')
-            .unwrap_or_else(|| panic!("non-local ref {r}"));
-        let target = doc
-            .pointer(pointer)
-            .unwrap_or_else(|| panic!("{r} does not resolve"));
-        assert!(
-            target.get("$ref").and_then(|t| t.as_str()) != Some(r),
-            "{r} refers to itself"
-        );
-    }
+    openapi::assert_references_resolve(&document());
+}
+
+#[test]
+fn links_name_operations_that_exist() {
+    openapi::assert_links_name_operations(&document());
 }
 
 #[test]
 fn every_api_route_needs_a_key_and_says_so() {
-    let doc = document();
-    for (path, item) in doc["paths"].as_object().expect("paths") {
-        for (method, operation) in item.as_object().expect("item") {
-            if path.starts_with("/api/") {
-                assert!(
-                    operation["responses"].get("401").is_some(),
-                    "{method} {path} documents its 401"
-                );
-                assert!(operation["security"].is_array(), "{method} {path}");
-            }
-        }
-    }
+    openapi::assert_api_routes_document_their_refusals(&document());
 }

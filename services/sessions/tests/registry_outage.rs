@@ -6,29 +6,9 @@ use aip_sessions::settings::SessionSettings;
 use aip_sessions::store::TaskStore;
 use aip_testkit::{Backend, Infra, both_backends, within};
 use futures::StreamExt;
-use proto_schemas::registry::{AgentRecord, AgentStatus, Reply};
-use proto_schemas::{ClientType, Platform, Subjects};
+use proto_schemas::Subjects;
+use proto_schemas::registry::Reply;
 use std::time::Duration;
-
-fn device(id: &str) -> AgentRecord {
-    AgentRecord {
-        agent_id: id.to_owned(),
-        client_type: ClientType::Device,
-        status: AgentStatus::Available,
-        platform: Platform::Linux,
-        capabilities: Vec::new(),
-        tools: Vec::new(),
-        system_info: None,
-        metadata: None,
-        extensions: Vec::new(),
-        target_id: None,
-        gateway_id: "gw".to_owned(),
-        connection_id: "c".to_owned(),
-        load: 0,
-        connected_at: chrono::Utc::now(),
-        last_seen: chrono::Utc::now(),
-    }
-}
 
 async fn a_task_waits_for_a_registry_that_comes_back(backend: Backend) {
     let infra = Infra::start(backend).await.expect("infra");
@@ -51,7 +31,8 @@ async fn a_task_waits_for_a_registry_that_comes_back(backend: Backend) {
             .await
             .expect("subscribed");
         let request = requests.next().await.expect("a request");
-        let reply = serde_json::to_vec(&Reply::Ok(device("pc"))).expect("encodes");
+        let reply =
+            serde_json::to_vec(&Reply::Ok(aip_testkit::device_record("pc"))).expect("encodes");
         respond(bus.as_ref(), &request, Headers::new(), reply.into())
             .await
             .expect("answered");

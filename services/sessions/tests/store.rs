@@ -9,30 +9,9 @@ use aip_sessions::settings::SessionSettings;
 use aip_sessions::store::{Batch, ListFilter, OutFrame, TaskStore, Writer, now_ms};
 use aip_store::testing::TestDatabase;
 use aip_testkit::{Backend, both_backends, test_database};
-use proto_schemas::registry::{AgentRecord, AgentStatus};
 use proto_schemas::sessions::TaskState;
-use proto_schemas::{ClientType, Command, ErrorCode, Platform, Subjects};
+use proto_schemas::{ClientType, Command, ErrorCode, Subjects};
 use serde_json::json;
-
-fn device(id: &str) -> AgentRecord {
-    AgentRecord {
-        agent_id: id.to_owned(),
-        client_type: ClientType::Device,
-        status: AgentStatus::Available,
-        platform: Platform::Linux,
-        capabilities: Vec::new(),
-        tools: Vec::new(),
-        system_info: None,
-        metadata: None,
-        extensions: Vec::new(),
-        target_id: None,
-        gateway_id: "gw".to_owned(),
-        connection_id: "c".to_owned(),
-        load: 0,
-        connected_at: chrono::Utc::now(),
-        last_seen: chrono::Utc::now(),
-    }
-}
 
 fn scripted(steps: usize) -> Plan {
     let command: Command = serde_json::from_value(
@@ -57,7 +36,7 @@ fn new_task(id: &str, name: &str, requester: Requester, executor: &str, plan: Pl
                 plan,
             )
         },
-        candidates: vec![device(executor)],
+        candidates: vec![aip_testkit::device_record(executor)],
         existing_owner: None,
     }
 }
