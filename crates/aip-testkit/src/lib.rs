@@ -516,12 +516,7 @@ mod tests {
         let dead = Service::spawn("short-lived", |_stop| async {
             Ok::<(), std::io::Error>(())
         });
-        within(WAIT, "the service to die", async {
-            while !dead.is_finished() {
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            }
-        })
-        .await;
+        wait_until("the service to die", || async { dead.is_finished() }).await;
         stack.services.push(dead);
         let error = stack.try_stop().await.expect_err("the death is reported");
         assert!(

@@ -170,7 +170,7 @@ fn panic_message(payload: Box<dyn Any + Send>) -> String {
 mod tests {
     use super::*;
 
-    use crate::wait::{WAIT, within};
+    use crate::wait::wait_until;
 
     /// A run loop that does what real ones do: serves until told to stop.
     async fn serves_until(shutdown: Shutdown) -> Result<(), std::io::Error> {
@@ -180,12 +180,7 @@ mod tests {
 
     /// Waits until `service`'s run loop has ended by itself.
     async fn until_dead(service: &Service) {
-        within(WAIT, "the service to die", async {
-            while !service.is_finished() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await;
+        wait_until("the service to die", || async { service.is_finished() }).await;
     }
 
     #[tokio::test]

@@ -1114,28 +1114,6 @@ fn plan_request(task: &Task) -> PlanRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proto_schemas::registry::AgentStatus;
-    use proto_schemas::{ClientType, Platform};
-
-    fn device(id: &str) -> AgentRecord {
-        AgentRecord {
-            agent_id: id.to_owned(),
-            client_type: ClientType::Device,
-            status: AgentStatus::Available,
-            platform: Platform::Linux,
-            capabilities: Vec::new(),
-            tools: Vec::new(),
-            system_info: None,
-            metadata: None,
-            extensions: Vec::new(),
-            target_id: None,
-            gateway_id: "gw".to_owned(),
-            connection_id: "c".to_owned(),
-            load: 0,
-            connected_at: chrono::Utc::now(),
-            last_seen: chrono::Utc::now(),
-        }
-    }
 
     fn task(id: &str, executor: &str, priority: i32, steps: usize) -> Prepared {
         let command: Command = serde_json::from_value(
@@ -1157,7 +1135,7 @@ mod tests {
                 timeout_secs: None,
                 ufo_dispatch: false,
             },
-            candidates: vec![device(executor)],
+            candidates: vec![aip_testkit::device_record(executor)],
             existing_owner: None,
         }
     }
