@@ -125,6 +125,9 @@ pub struct Registered {
     /// gateway holding it is told to close it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaced_connection: Option<String>,
+    /// The gateway that held the replaced connection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_gateway: Option<String>,
 }
 
 /// The `registry.register` reply.
@@ -183,6 +186,29 @@ pub struct LookupAgents {
 
 /// The `registry.lookup` reply: least loaded first.
 pub type LookupReply = Reply<Vec<AgentRecord>>;
+
+/// `registry.gateway_started`: a gateway (re)started under `gateway_id` and holds no
+/// connection yet. Every connection registered under that id before is over: its agents go
+/// offline and the session service hears of each end. A gateway sends it before it accepts
+/// registrations, so that a restart under the same id does not leave the old process's
+/// registrations live until the liveness window passes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GatewayStarted {
+    /// Always 1.
+    pub version: V1,
+    /// The gateway's configured id.
+    pub gateway_id: String,
+}
+
+/// `registry.gateway_started` reply payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GatewayStartedAck {
+    /// Connections of the previous process that were ended.
+    pub ended: u32,
+}
+
+/// The `registry.gateway_started` reply.
+pub type GatewayStartedReply = Reply<GatewayStartedAck>;
 
 /// What the registry knows of one agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]

@@ -45,6 +45,17 @@ pub struct InboundFrame {
     pub frame: ClientMessage,
 }
 
+/// `sessions.acks.{replica}`: a gateway wrote a frame from the session service's outbox to its
+/// client's socket (or had written it before). Until it hears this, the session service keeps
+/// the frame and sends it again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeliveryAck {
+    /// Always 1.
+    pub version: V1,
+    /// The frame's `Nats-Msg-Id`.
+    pub msg_id: String,
+}
+
 /// A registered connection ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ConnectionClosed {

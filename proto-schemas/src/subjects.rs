@@ -151,7 +151,22 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         description: "Frames for one client: whatever is published here is written to that client's \
             WebSocket by the gateway that holds it. A message with header `Aip-Control: disconnect` and \
             `Aip-Connection: <connection id>` closes that connection instead (used when a credential \
-            takes over its own stale registration).",
+            takes over its own stale registration). A frame from the session service's outbox carries \
+            `Nats-Msg-Id` and `Aip-Ack: <subject>`: the gateway answers on that subject once it wrote \
+            the frame (a copy it already wrote is dropped and answered again), and the session \
+            service sends the frame again until it hears so.",
+    },
+    SubjectSpec {
+        name: "sessions.acks",
+        template: "sessions.acks.{replica}",
+        pattern: Pattern::Publish,
+        payload: "DeliveryAck",
+        reply: None,
+        publishers: &["aip-gateway"],
+        consumers: &["aip-sessions (the replica named in the frame's `Aip-Ack` header)"],
+        description: "Delivery confirmations: a frame from the session service's outbox reached the \
+            client's socket. Unconfirmed frames are sent again every second after five seconds, for \
+            at most `outbox_retention_ms`.",
     },
     SubjectSpec {
         name: "registry.register",
@@ -173,6 +188,18 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         publishers: &["aip-gateway"],
         consumers: &["aip-registry (queue group `aip-registry`)"],
         description: "A client's connection ended: mark it offline (only if that connection still holds it).",
+    },
+    SubjectSpec {
+        name: "registry.gateway_started",
+        template: "registry.gateway_started",
+        pattern: Pattern::RequestReply,
+        payload: "GatewayStarted",
+        reply: Some("GatewayStartedReply"),
+        publishers: &["aip-gateway"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "A gateway started and holds no connection yet: every agent still registered \
+            under its id belonged to its previous process and goes offline, and the end of each such \
+            connection goes into the frames stream. Sent before the gateway accepts registrations.",
     },
     SubjectSpec {
         name: "registry.get",
@@ -322,6 +349,16 @@ impl Subjects {
     /// `registry.lookup`.
     pub fn registry_lookup(&self) -> String {
         self.join("registry.lookup")
+    }
+
+    /// `registry.gateway_started`.
+    pub fn registry_gateway_started(&self) -> String {
+        self.join("registry.gateway_started")
+    }
+
+    /// `sessions.acks.{replica}`: delivery confirmations for one session replica.
+    pub fn sessions_acks(&self, replica: &str) -> String {
+        self.join(&format!("sessions.acks.{}", encode_token(replica)))
     }
 
     /// `presence.{gateway}`: one gateway's presence batches.

@@ -14,6 +14,10 @@ pub mod names {
     pub const CONTROL: &str = "Aip-Control";
     /// The connection a control instruction is about.
     pub const CONNECTION: &str = "Aip-Connection";
+    /// On a frame for a client: the subject its gateway answers once the frame is written to
+    /// the client's socket (the frame's `Nats-Msg-Id` as the payload). The sender keeps the
+    /// frame until then and sends it again otherwise.
+    pub const ACK: &str = "Aip-Ack";
 }
 
 /// An ordered list of header name/value pairs (names compared case-sensitively, like NATS).

@@ -128,6 +128,17 @@ pub trait Bus: Send + Sync + 'static {
         consumer: String,
         max_in_flight: usize,
     ) -> BoxFuture<'_, Result<DurableSubscription, BusError>>;
+
+    /// Makes what the named consumer delivered and nobody acked deliverable again at once,
+    /// instead of after its ack wait: a new leader takes over the messages a dead or frozen
+    /// one held. Messages after the consumer's ack floor that were acked come again too, so
+    /// its consumers must be idempotent. Answers how many were held (0: nothing changed; no
+    /// such consumer: 0).
+    fn release_pending(
+        &self,
+        stream: String,
+        consumer: String,
+    ) -> BoxFuture<'_, Result<u64, BusError>>;
 }
 
 /// Answers a request message (publishes to its reply subject). A message without a reply

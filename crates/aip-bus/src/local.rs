@@ -377,6 +377,16 @@ impl Bus for LocalBus {
         .boxed()
     }
 
+    fn release_pending(
+        &self,
+        _stream: String,
+        _consumer: String,
+    ) -> BoxFuture<'_, Result<u64, BusError>> {
+        // In process, a message is held only by a consumer of this process, which nacks or
+        // acks it; nothing is stranded by a dead consumer.
+        async { Ok(0) }.boxed()
+    }
+
     fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>> {
         write(&self.inner.streams).remove(&name);
         futures::future::ready(Ok(())).boxed()
@@ -414,7 +424,7 @@ impl Bus for LocalBus {
 
     fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>> {
         let blobs = self.inner.blobs.lock().unwrap_or_else(|p| p.into_inner());
-        let mut body = bytes::BytesMut::with_capacity(blob.size);
+        let mut body = bytes::BytesMut::with_capacity(blob.size.min(crate::blob::MAX_BLOB_BYTES));
         for seq in &blob.sequences {
             match blobs.chunks.get(seq) {
                 Some(chunk) => body.extend_from_slice(chunk),

@@ -295,6 +295,53 @@ impl Bus for NatsBus {
         .boxed()
     }
 
+    fn release_pending(
+        &self,
+        stream: String,
+        consumer: String,
+    ) -> BoxFuture<'_, Result<u64, BusError>> {
+        async move {
+            let wrap = |operation: &'static str, e: Box<dyn std::error::Error + Send + Sync>| {
+                BusError::Nats {
+                    operation,
+                    subject: stream.clone(),
+                    source: e,
+                }
+            };
+            let handle = self
+                .jetstream
+                .get_stream(&stream)
+                .await
+                .map_err(|e| wrap("get stream", Box::new(e)))?;
+            let info = match handle.consumer_info(&consumer).await {
+                Ok(info) => info,
+                Err(e) if e.to_string().contains("not found") => return Ok(0),
+                Err(e) => return Err(wrap("read consumer", Box::new(e))),
+            };
+            let held = info.num_ack_pending as u64;
+            if held == 0 {
+                return Ok(0);
+            }
+            // The server redelivers a held message only after its ack wait, to whoever pulls.
+            // A consumer created again from its ack floor delivers them now; the old one's
+            // outstanding pulls and acks die with it.
+            let mut config = info.config.clone();
+            config.deliver_policy = jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: info.ack_floor.stream_sequence + 1,
+            };
+            handle
+                .delete_consumer(&consumer)
+                .await
+                .map_err(|e| wrap("delete consumer", Box::new(e)))?;
+            handle
+                .create_consumer(config)
+                .await
+                .map_err(|e| wrap("create consumer", Box::new(e)))?;
+            Ok(held)
+        }
+        .boxed()
+    }
+
     fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             match self.jetstream.delete_stream(&name).await {
@@ -360,7 +407,8 @@ impl Bus for NatsBus {
                 .get_stream(&blob.stream)
                 .await
                 .map_err(|e| wrap(Box::new(e)))?;
-            let mut body = bytes::BytesMut::with_capacity(blob.size);
+            let mut body =
+                bytes::BytesMut::with_capacity(blob.size.min(crate::blob::MAX_BLOB_BYTES));
             for sequence in &blob.sequences {
                 let message = stream
                     .get_raw_message(*sequence)

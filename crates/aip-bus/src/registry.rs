@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use proto_schemas::registry::{
-    AgentRecord, GetAgent, LookupAgents, RegisterAgent, Registered, Reply, UnregisterAgent,
-    Unregistered,
+    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, LookupAgents, RegisterAgent,
+    Registered, Reply, UnregisterAgent, Unregistered,
 };
 use proto_schemas::{ErrorBody, ErrorCode, Subjects, V1};
 use serde::Serialize;
@@ -99,6 +99,20 @@ impl RegistryClient {
         request: &UnregisterAgent,
     ) -> Result<Unregistered, RegistryError> {
         self.request(self.subjects.registry_unregister(), request)
+            .await
+    }
+
+    /// `registry.gateway_started`: the connections a previous process of `gateway_id` held
+    /// are over.
+    pub async fn gateway_started(
+        &self,
+        gateway_id: &str,
+    ) -> Result<GatewayStartedAck, RegistryError> {
+        let request = GatewayStarted {
+            version: V1,
+            gateway_id: gateway_id.to_owned(),
+        };
+        self.request(self.subjects.registry_gateway_started(), &request)
             .await
     }
 

@@ -311,3 +311,73 @@ async fn next_delivery(d: &mut aip_bus::DurableSubscription) -> aip_bus::Deliver
         .expect("open")
         .expect("delivery")
 }
+
+/// A consumer that died holding messages (a leader killed or frozen) strands them until the
+/// ack wait (10 s) passes; `release_pending` makes them deliverable at once, and leaves a
+/// consumer that holds nothing alone.
+#[tokio::test]
+async fn nats_releases_the_messages_a_dead_consumer_held() {
+    use aip_bus::{StreamSpec, stream_name};
+    let bus = nats().await;
+    let p = prefix();
+    let stream = stream_name(&p, "frames");
+    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
+    spec.max_age = Duration::from_secs(60);
+    bus.ensure_stream(spec).await.expect("create stream");
+    let released = bus
+        .release_pending(stream.clone(), "sessions".into())
+        .await
+        .expect("no consumer yet");
+    assert_eq!(released, 0);
+    for (id, body) in [("m1", "one"), ("m2", "two"), ("m3", "three")] {
+        bus.publish_durable(
+            format!("{p}.frames.a"),
+            Headers::new().with(names::MSG_ID, id),
+            body.into(),
+        )
+        .await
+        .expect("stored");
+    }
+
+    // The first leader acks "one", takes "two" and "three", and dies without acking them.
+    let mut dead = bus
+        .consume(stream.clone(), "sessions".into(), 16)
+        .await
+        .expect("consume");
+    next_delivery(&mut dead).await.ack().await.expect("ack");
+    let held = [
+        next_delivery(&mut dead).await,
+        next_delivery(&mut dead).await,
+    ];
+    drop(dead);
+    std::mem::forget(held);
+
+    let released = bus
+        .release_pending(stream.clone(), "sessions".into())
+        .await
+        .expect("released");
+    assert_eq!(released, 2, "the two held messages");
+    let mut next = bus
+        .consume(stream.clone(), "sessions".into(), 16)
+        .await
+        .expect("consume again");
+    let mut bodies = Vec::new();
+    for _ in 0..2 {
+        // Well within the 10 s ack wait.
+        let d = within(Duration::from_secs(3), "a released message", next.next())
+            .await
+            .expect("open")
+            .expect("delivery");
+        bodies.push(String::from_utf8(d.message.payload.to_vec()).expect("utf8"));
+        d.ack().await.expect("ack");
+    }
+    bodies.sort();
+    assert_eq!(bodies, ["three", "two"], "the acked one does not come back");
+    assert_eq!(
+        bus.release_pending(stream.clone(), "sessions".into())
+            .await
+            .expect("nothing held"),
+        0
+    );
+    bus.delete_stream(stream).await.expect("delete stream");
+}

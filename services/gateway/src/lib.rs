@@ -66,6 +66,10 @@ pub struct AppState {
     pub presence: Arc<presence::PresenceTable>,
     /// Devices registered on this gateway, for device-info requests.
     pub devices: devices::LocalDevices,
+    /// True once the registry confirmed that this process started (the previous process's
+    /// registrations under the same gateway id are over); registrations wait for it.
+    pub announced: tokio::sync::watch::Receiver<bool>,
+    announce: tokio::sync::watch::Sender<bool>,
     /// Cancelled when the gateway shuts down.
     pub shutdown: CancellationToken,
     connections: Arc<Semaphore>,
@@ -106,6 +110,7 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let state = self.state.clone();
+        tokio::spawn(announce_start(state.clone()));
         let presence = tokio::spawn(presence::run(
             state.bus.clone(),
             state.subjects.clone(),
@@ -140,6 +145,40 @@ impl Application {
         served
     }
 }
+
+/// Tells the registry that this process started, until it confirms: the registrations a
+/// previous process left under the same gateway id end at once, instead of staying live (and
+/// refusing their clients' reconnections as duplicates) until the liveness window passes.
+/// Registrations wait for the confirmation, so it can never end one of this process's own.
+async fn announce_start(state: Arc<AppState>) {
+    let mut delay = ANNOUNCE_RETRY_FIRST;
+    loop {
+        match state.registry.gateway_started(&state.gateway_id).await {
+            Ok(ack) => {
+                if ack.ended > 0 {
+                    tracing::info!(
+                        ended = ack.ended,
+                        "the registry ended the connections of this gateway's previous process"
+                    );
+                }
+                state.announce.send_replace(true);
+                return;
+            }
+            Err(e) => tracing::warn!(
+                "the registry has not confirmed this gateway's start (registrations wait), retrying in {delay:?}: {e}"
+            ),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = state.shutdown.cancelled() => return,
+        }
+        delay = (delay * 2).min(ANNOUNCE_RETRY_MAX);
+    }
+}
+
+/// Backoff of [`announce_start`].
+const ANNOUNCE_RETRY_FIRST: Duration = Duration::from_millis(100);
+const ANNOUNCE_RETRY_MAX: Duration = Duration::from_secs(2);
 
 fn default_gateway_id() -> String {
     let host = std::env::var("HOSTNAME")
@@ -183,8 +222,11 @@ impl runner::Service for Application {
             subjects.clone(),
             std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
         );
+        let (announce, announced) = tokio::sync::watch::channel(false);
         let state = Arc::new(AppState {
             registry,
+            announce,
+            announced,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
             settings,
             gateway_id,

@@ -1,7 +1,7 @@
 //! The registry's request/reply subjects on the bus.
 //!
 //! Each subject (`registry.register`, `registry.unregister`, `registry.get`,
-//! `registry.lookup`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
+//! `registry.lookup`, `registry.gateway_started`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
 //! work. Every request runs in its own task, holding a permit of one semaphore shared by all
 //! subjects: at most `max_in_flight` requests at once, and the subscription is not read while
 //! none is free (NATS buffers, then drops as a slow consumer; the caller times out and retries).
@@ -32,6 +32,7 @@ pub struct RequestSubscriptions {
     unregister: Subscription,
     get: Subscription,
     lookup: Subscription,
+    gateway_started: Subscription,
 }
 
 impl RequestSubscriptions {
@@ -50,6 +51,9 @@ impl RequestSubscriptions {
                 .await?,
             lookup: bus
                 .queue_subscribe(subjects.registry_lookup(), group())
+                .await?,
+            gateway_started: bus
+                .queue_subscribe(subjects.registry_gateway_started(), group())
                 .await?,
         })
     }
@@ -96,12 +100,22 @@ impl RequestSubscriptions {
             let r = r.clone();
             async move { r.get(req).await }
         });
-        let r = registry;
-        let lookup = serve("registry.lookup", self.lookup, ctx, move |req| {
+        let r = registry.clone();
+        let lookup = serve("registry.lookup", self.lookup, ctx.clone(), move |req| {
             let r = r.clone();
             async move { r.lookup(req).await }
         });
-        tokio::join!(register, unregister, get, lookup);
+        let r = registry;
+        let gateway_started = serve(
+            "registry.gateway_started",
+            self.gateway_started,
+            ctx,
+            move |req| {
+                let r = r.clone();
+                async move { r.gateway_started(req).await }
+            },
+        );
+        tokio::join!(register, unregister, get, lookup, gateway_started);
     }
 }
 

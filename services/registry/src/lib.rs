@@ -19,6 +19,7 @@
 pub mod bus_api;
 pub mod group_commit;
 pub mod http;
+pub mod notices;
 pub mod presence;
 pub mod python_repr;
 pub mod reaper;

@@ -9,15 +9,22 @@
 use std::sync::Arc;
 
 use proto_schemas::registry::{
-    AgentRecord, GetAgent, LookupAgents, RegisterAgent, Registered, UnregisterAgent, Unregistered,
+    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, LookupAgents, RegisterAgent,
+    Registered, UnregisterAgent, Unregistered,
 };
 use proto_schemas::{ClientType, ErrorBody, ErrorCode};
 
 use crate::group_commit::WriteQueue;
+use crate::notices::Notices;
 use crate::python_repr::python_repr;
 use crate::store::{
-    AgentStore, Holder, LookupQuery, RegisterOutcome, StoreError, Unregister, Windows,
+    AgentStore, Ended, Holder, LookupQuery, RegisterOutcome, StoreError, Unregister, Windows,
 };
+
+/// The reason the session service sees for a connection replaced by a newer registration.
+pub const REPLACED: &str = "replaced_by_new_registration";
+/// The reason the session service sees for the connections of a gateway that started again.
+pub const GATEWAY_RESTARTED: &str = "gateway_restarted";
 
 /// Lookup answers at most this many agents unless asked for fewer.
 pub const DEFAULT_LOOKUP_LIMIT: u32 = 10;
@@ -31,18 +38,21 @@ pub struct Registry {
     windows: Windows,
     /// Registrations and unregistrations, written many per transaction.
     writes: WriteQueue,
+    /// Where the ends of connections no gateway reports are announced.
+    notices: Notices,
 }
 
 impl Registry {
     /// A registry over `store`, judging liveness by `windows`. Starts the task that writes
     /// registrations (see [`crate::group_commit`]), so it must be called within a Tokio
     /// runtime; that task ends when the last clone of the registry is dropped.
-    pub fn new(store: Arc<dyn AgentStore>, windows: Windows) -> Self {
+    pub fn new(store: Arc<dyn AgentStore>, windows: Windows, notices: Notices) -> Self {
         let writes = WriteQueue::start(store.clone(), windows, &admit);
         Registry {
             store,
             windows,
             writes,
+            notices,
         }
     }
 
@@ -91,6 +101,18 @@ impl Registry {
                     replaced_connection = registered.replaced_connection.as_deref(),
                     "agent registered"
                 );
+                // The replaced connection's gateway may be dead and never report its end:
+                // announced before the client hears it is registered, so its tasks end before
+                // any frame of the new connection arrives.
+                if let Some(connection_id) = &registered.replaced_connection {
+                    let ended = Ended {
+                        agent_id: registered.agent.agent_id.clone(),
+                        client_type: registered.agent.client_type,
+                        gateway_id: registered.replaced_gateway.clone().unwrap_or_default(),
+                        connection_id: connection_id.clone(),
+                    };
+                    self.notices.announce(&ended, REPLACED).await;
+                }
                 Ok(*registered)
             }
             RegisterOutcome::Refused(refusal) => {
@@ -118,6 +140,34 @@ impl Registry {
             "agent unregistered"
         );
         Ok(Unregistered { went_offline })
+    }
+
+    /// `registry.gateway_started`: every connection the gateway's previous process held is
+    /// over; its agents go offline and each end is announced before the answer.
+    pub async fn gateway_started(
+        &self,
+        request: GatewayStarted,
+    ) -> Result<GatewayStartedAck, ErrorBody> {
+        if request.gateway_id.is_empty() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "gateway_id must not be empty",
+            ));
+        }
+        let ended = self
+            .store
+            .end_gateway(&request.gateway_id)
+            .await
+            .map_err(store_failure)?;
+        self.notices.announce_all(&ended, GATEWAY_RESTARTED).await;
+        tracing::info!(
+            gateway_id = %request.gateway_id,
+            ended = ended.len(),
+            "gateway started: the connections of its previous process are over"
+        );
+        Ok(GatewayStartedAck {
+            ended: u32::try_from(ended.len()).unwrap_or(u32::MAX),
+        })
     }
 
     /// `registry.get`: one agent, `NOT_FOUND` if never registered.
@@ -241,6 +291,7 @@ mod tests {
     fn holder(connection: &str, principal: &str, status: AgentStatus, live: bool) -> Holder {
         Holder {
             connection_id: connection.to_owned(),
+            gateway_id: "gw-old".to_owned(),
             principal: principal.to_owned(),
             status,
             live,

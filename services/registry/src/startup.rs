@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::bus_api::{QUEUE_GROUP, RequestSubscriptions};
 use crate::http::{self, AppState};
+use crate::notices::Notices;
 use crate::presence::{self, PresenceBuffer};
 use crate::reaper;
 use crate::registry::Registry;
@@ -96,7 +97,11 @@ impl Application {
         } = self;
         let windows = windows(&settings);
         let stop = CancellationToken::new();
-        let registry = Registry::new(store.clone(), windows);
+        let notices = Notices {
+            bus: bus.clone(),
+            subjects: subjects.clone(),
+        };
+        let registry = Registry::new(store.clone(), windows, notices.clone());
         let limiter = Arc::new(Semaphore::new(settings.max_in_flight));
 
         // Cancelled only when the grace period is over: requests still running are dropped.
@@ -122,10 +127,6 @@ impl Application {
             settings.presence_flush(),
             flush_stop.clone(),
         ));
-        let notices = reaper::Notices {
-            bus: bus.clone(),
-            subjects: subjects.clone(),
-        };
         let reaper_task = tokio::spawn(reaper::run(
             store.clone(),
             notices,

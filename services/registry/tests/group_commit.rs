@@ -107,8 +107,14 @@ impl AgentStore for GatedStore {
         &'a self,
         windows: &'a Windows,
         forget_gateways_after: Duration,
-    ) -> BoxFuture<'a, Result<Vec<String>, StoreError>> {
+    ) -> BoxFuture<'a, Result<Vec<store::Ended>, StoreError>> {
         self.inner.reap(windows, forget_gateways_after)
+    }
+    fn end_gateway<'a>(
+        &'a self,
+        gateway_id: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<store::Ended>, StoreError>> {
+        self.inner.end_gateway(gateway_id)
     }
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.ping()

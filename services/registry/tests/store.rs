@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aip_registry::store::{
-    self, Admit, AgentFilter, AgentStore, BatchOutcome, Holder, LookupQuery, PresenceApplied,
-    PresenceFlush, RegisterOutcome, StoreError, Unregister, Windows, WriteBatch,
+    self, Admit, AgentFilter, AgentStore, BatchOutcome, Ended, Holder, LookupQuery,
+    PresenceApplied, PresenceFlush, RegisterOutcome, StoreError, Unregister, Windows, WriteBatch,
 };
 use aip_store::testing::TestDatabase;
 use aip_store::{Backend, Database, Sql, Timestamp};
@@ -45,6 +45,7 @@ both_databases!(
     online_ids_are_the_agents_not_offline,
     presence_refreshes_revives_and_stops,
     reaping_expires_silent_agents_and_forgets_dead_gateways,
+    a_restarted_gateway_ends_the_connections_it_held,
     unreadable_rows_are_reported_as_corrupt,
     ping_answers,
 );
@@ -387,6 +388,7 @@ async fn the_same_connection_keeps_its_state_and_another_takes_over(backend: Bac
         holder,
         Holder {
             connection_id: "c1".to_owned(),
+            gateway_id: "gw-1".to_owned(),
             principal: "alice".to_owned(),
             status: AgentStatus::Busy,
             live: true,
@@ -486,10 +488,12 @@ async fn unregistrations_take_only_their_connection_offline(backend: Backend) {
     f.register(device("old", "gw-1", "c2", "alice")).await;
     f.set_last_seen("old", Utc::now() - LONG_AGO).await;
     assert_eq!(
-        f.store
-            .reap(&WINDOWS, Duration::from_secs(3600))
-            .await
-            .expect("reap"),
+        ended_ids(
+            f.store
+                .reap(&WINDOWS, Duration::from_secs(3600))
+                .await
+                .expect("reap")
+        ),
         ["old"]
     );
     assert!(!f.unregister("old", "c2").await, "offline already");
@@ -732,11 +736,12 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
     let long_ago = Utc::now() - LONG_AGO;
     f.set_last_seen("kept", long_ago).await;
     f.set_last_seen("expired", long_ago).await;
-    let mut reaped = f
-        .store
-        .reap(&WINDOWS, Duration::from_secs(3600))
-        .await
-        .expect("reap");
+    let mut reaped = ended_ids(
+        f.store
+            .reap(&WINDOWS, Duration::from_secs(3600))
+            .await
+            .expect("reap"),
+    );
     reaped.sort();
     assert_eq!(reaped, ["expired", "kept"]);
     f.unregister("closed", "c3").await;
@@ -827,7 +832,17 @@ async fn reaping_expires_silent_agents_and_forgets_dead_gateways(backend: Backen
     f.unregister("gone", "c5").await;
     f.age_gateway("gw-gone").await;
 
-    let reaped = f.store.reap(&WINDOWS, keep_gateways).await.expect("reap");
+    let ended = f.store.reap(&WINDOWS, keep_gateways).await.expect("reap");
+    let silent = ended
+        .iter()
+        .find(|e| e.agent_id == "silent")
+        .expect("silent is reaped");
+    assert_eq!(
+        (silent.gateway_id.as_str(), silent.connection_id.as_str()),
+        ("gw-1", "c2"),
+        "the reaper names the connection that ended, for its announcement"
+    );
+    let reaped = ended_ids(ended);
     let mut sorted = reaped.clone();
     sorted.sort();
     assert_eq!(sorted, ["cut-off-a", "cut-off-b", "silent"]);
@@ -860,6 +875,44 @@ async fn reaping_expires_silent_agents_and_forgets_dead_gateways(backend: Backen
     assert!(f.gateway("gw-dead").await.is_none());
     assert!(f.gateway("gw-gone").await.is_none());
     assert!(f.gateway("gw-1").await.is_some());
+    f.close().await;
+}
+
+/// A gateway that starts again ends every connection its previous process held, and only
+/// those; a late presence report of one of them does not bring it back.
+async fn a_restarted_gateway_ends_the_connections_it_held(backend: Backend) {
+    let f = Fixture::open(backend).await;
+    f.register(device("a", "gw-1", "c1", "lab")).await;
+    f.register(device("b", "gw-1", "c2", "lab")).await;
+    f.register(device("other", "gw-2", "c3", "lab")).await;
+    f.unregister("b", "c2").await;
+    let ended = f.store.end_gateway("gw-1").await.expect("ends");
+    assert_eq!(
+        ended,
+        [Ended {
+            agent_id: "a".to_owned(),
+            client_type: ClientType::Device,
+            gateway_id: "gw-1".to_owned(),
+            connection_id: "c1".to_owned(),
+        }],
+        "the one still online; the unregistered one had ended already"
+    );
+    assert_eq!(f.get("a").await.status, AgentStatus::Offline);
+    assert_ne!(f.get("other").await.status, AgentStatus::Offline);
+    assert!(
+        f.store.end_gateway("gw-1").await.expect("ends").is_empty(),
+        "once"
+    );
+    let applied = f
+        .store
+        .apply_presence(&PresenceFlush {
+            alive: vec![("a".to_owned(), "c1".to_owned(), "gw-1".to_owned())],
+            ..PresenceFlush::default()
+        })
+        .await
+        .expect("presence");
+    assert_eq!(applied.refreshed, 0, "a late report does not revive it");
+    assert_eq!(f.get("a").await.status, AgentStatus::Offline);
     f.close().await;
 }
 
@@ -979,4 +1032,9 @@ impl Rendezvous {
             .expect("lock");
         assert!(!wait.timed_out(), "the other replica never read the id");
     }
+}
+
+/// The agent ids of ended connections.
+fn ended_ids(ended: Vec<aip_registry::store::Ended>) -> Vec<String> {
+    ended.into_iter().map(|e| e.agent_id).collect()
 }

@@ -1,7 +1,7 @@
 //! The applier: one leader applies every change, in memory, and commits them in groups.
 //!
 //! Replicas of the session service run active/standby. The leader holds the leadership
-//! (a PostgreSQL advisory lock on a connection of its own; on SQLite the one process leads)
+//! (a lease in PostgreSQL, renewed by every write; on SQLite the one process leads)
 //! and with it every live task in memory ([`crate::core`]). Everything that changes a task,
 //! whether a frame from a gateway, a REST call, a NATS submission, a planner's answer or a
 //! deadline, becomes an [`Op`] on one bounded channel. The applier takes whatever ops are
@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::machine::{CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::settings::SessionSettings;
-use crate::store::{OutFrame, StoreError, TaskStore, Writer};
+use crate::store::{LeaseSpec, OutFrame, StoreError, TaskStore, Writer};
 use crate::task::{Task, now_ms};
 use crate::workers::PlannerError;
 
@@ -81,7 +81,11 @@ pub(crate) enum Op {
         reply: Reply<()>,
     },
     /// A client's connection ended.
-    Closed { client_id: String, reply: Reply<()> },
+    Closed {
+        client_id: String,
+        connection_id: String,
+        reply: Reply<()>,
+    },
     /// A task from REST or NATS.
     Submit {
         prepared: Box<Prepared>,
@@ -220,6 +224,9 @@ pub struct Engine {
     /// The frames consumer's progress, for readiness.
     pub frames: Arc<FramesProgress>,
     published: Arc<std::sync::Mutex<Vec<String>>>,
+    /// This replica (unique per process): its lease holder id and the token of its
+    /// delivery-acknowledgement subject.
+    replica: Arc<str>,
 }
 
 /// The receiving end of the applier's channel, for [`run_applier`].
@@ -254,6 +261,7 @@ impl Engine {
             standby: Arc::new(AtomicBool::new(false)),
             frames: Arc::default(),
             published: Arc::default(),
+            replica: uuid::Uuid::new_v4().simple().to_string().into(),
         };
         (engine, Applier { ops: rx })
     }
@@ -275,6 +283,11 @@ impl Engine {
         &self.settings
     }
 
+    /// Where gateways acknowledge the frames this replica sends.
+    pub fn ack_subject(&self) -> String {
+        self.subjects.sessions_acks(&self.replica)
+    }
+
     /// Whether this replica leads (applies changes).
     pub fn is_leading(&self) -> bool {
         self.leading.load(Ordering::Acquire)
@@ -286,7 +299,8 @@ impl Engine {
         self.standby.load(Ordering::Acquire)
     }
 
-    /// Records outbox rows published outside the applier (the outbox sweeper).
+    /// Records outbox rows whose delivery gateways acknowledged (or that are dropped): they
+    /// are deleted with the next group.
     pub(crate) fn mark_published(&self, ids: impl IntoIterator<Item = String>) {
         if let Ok(mut list) = self.published.lock() {
             list.extend(ids);
@@ -657,25 +671,23 @@ impl Engine {
         }
     }
 
-    /// Publishes outbox frames in order and records them as published.
+    /// Publishes outbox frames in order. A frame stays in the outbox until the gateway that
+    /// wrote it to the client's socket acknowledges it ([`crate::workers::run_ack_listener`]):
+    /// a publish that succeeds has only reached the client library's buffer, which a NATS
+    /// restart loses. The outbox sweeper sends it again until then.
     pub(crate) async fn publish_frames(&self, frames: Vec<OutFrame>) {
-        let mut sent = Vec::with_capacity(frames.len());
+        let ack_subject = self.ack_subject();
         for frame in frames {
             let publish = self.blobs.publish(
                 self.bus.as_ref(),
                 frame.subject.clone(),
-                delivery_headers(&frame.msg_id),
+                delivery_headers(&frame.msg_id, &ack_subject),
                 frame.payload.into(),
             );
-            match publish.await {
-                Ok(()) => sent.push(frame.msg_id),
-                // The outbox sweeper re-sends it.
-                Err(e) => {
-                    tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
-                }
+            if let Err(e) = publish.await {
+                tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
             }
         }
-        self.mark_published(sent);
     }
 }
 
@@ -734,6 +746,7 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
     let requester = Requester::Client {
         id: inbound.client_id.clone(),
         client_type: inbound.client_type,
+        connection: Some(inbound.connection_id.clone()),
     };
     let request = frame.request.clone().unwrap_or_default();
     let new = NewTask {
@@ -765,7 +778,11 @@ pub async fn run_applier(
     on_lead: impl Fn(CancellationToken),
 ) {
     let mut ops = applier.ops;
-    let lock_name = format!("aip-sessions:{}", engine.subjects.prefix());
+    let lease = LeaseSpec {
+        name: format!("aip-sessions:{}", engine.subjects.prefix()),
+        holder: engine.replica.to_string(),
+        duration: Duration::from_millis(engine.settings.leader_lease_ms),
+    };
     let retry = Duration::from_millis(engine.settings.standby_retry_ms.max(MIN_STANDBY_RETRY_MS));
     let (frames_tx, frames_rx) = mpsc::channel::<Vec<OutFrame>>(PUBLISH_QUEUE_BATCHES);
     let (plans_tx, plans_rx) =
@@ -781,7 +798,7 @@ pub async fn run_applier(
         plans: plans_tx,
     };
     let mut spare = None;
-    while let Some(mut writer) = wait_to_lead(&engine, &lock_name, &mut spare, retry, &stop).await {
+    while let Some(mut writer) = wait_to_lead(&engine, &lease, &mut spare, retry, &stop).await {
         let live = match writer.load_live().await {
             Ok(live) => live,
             Err(e) => {
@@ -805,7 +822,10 @@ pub async fn run_applier(
             ticks: 0,
         };
         let ended = leader.run(&mut ops, &stop, &outputs).await;
-        // Closes the leader's connection (and so releases the lock) before anything waits.
+        if matches!(ended, TermEnd::Stopped) {
+            leader.writer.resign().await;
+        }
+        // Closes the leader's connection before anything waits.
         drop(leader);
         engine.leading.store(false, Ordering::Release);
         term.cancel();
@@ -861,13 +881,13 @@ enum TermEnd {
 /// Waits until this replica holds the leadership, or `None` once `stop` fires.
 async fn wait_to_lead(
     engine: &Engine,
-    lock_name: &str,
+    lease: &LeaseSpec,
     spare: &mut Option<sqlx::PgConnection>,
     retry: Duration,
     stop: &CancellationToken,
 ) -> Option<Writer> {
     loop {
-        match engine.store.try_lead(lock_name, spare).await {
+        match engine.store.try_lead(lease, spare).await {
             Ok(Some(writer)) => return Some(writer),
             Ok(None) => engine.standby.store(true, Ordering::Release),
             Err(e) => tracing::warn!("cannot reach the database to lead: {e}"),
@@ -901,6 +921,13 @@ impl Leader<'_> {
         loop {
             if !self.wait_for_work(ops, stop).await {
                 return TermEnd::Stopped;
+            }
+            if let Err(e) = self.writer.renew_if_due().await {
+                tracing::error!("the leadership could not be renewed, giving it up: {e}");
+                for waiter in self.waiters.drain(..) {
+                    waiter.fail(&e.to_string());
+                }
+                return TermEnd::WriteFailed;
             }
             self.on_tick();
             self.take_ready_ops(ops);
@@ -1071,8 +1098,12 @@ fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
             let result = core.frame(&inbound, &msg_id, task.map(|t| *t));
             waiters.push(Waiter::Unit(reply, result));
         }
-        Op::Closed { client_id, reply } => {
-            core.closed(&client_id);
+        Op::Closed {
+            client_id,
+            connection_id,
+            reply,
+        } => {
+            core.closed(&client_id, &connection_id);
             waiters.push(Waiter::Unit(reply, Ok(())));
         }
         Op::Submit { prepared, reply } => {
@@ -1119,10 +1150,13 @@ async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Vec<OutFrame>
     }
 }
 
-/// Headers of a frame from the outbox: its message id, so that a frame re-sent after a crash
-/// is recognised (and dropped) by the gateway that already wrote it to the client.
-pub fn delivery_headers(msg_id: &str) -> Headers {
-    Headers::new().with(aip_bus::names::MSG_ID, msg_id.to_owned())
+/// Headers of a frame from the outbox: its message id, so that a frame sent again is
+/// recognised (and dropped) by the gateway that already wrote it to the client, and where that
+/// gateway acknowledges it.
+pub fn delivery_headers(msg_id: &str, ack_subject: &str) -> Headers {
+    Headers::new()
+        .with(aip_bus::names::MSG_ID, msg_id.to_owned())
+        .with(aip_bus::names::ACK, ack_subject.to_owned())
 }
 
 /// UFO's rule for task names from WebSocket frames: every character outside `[A-Za-z0-9._-]`

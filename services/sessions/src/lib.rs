@@ -10,8 +10,9 @@
 //! Frames from gateways arrive through a JetStream stream with a durable consumer and explicit
 //! acks; applying one is idempotent, so a redelivered frame changes nothing twice, and several
 //! replicas can share the consumer. Frames to clients are written to an outbox in the same
-//! transaction as the state change and published after commit ([`workers`] re-sends what a
-//! crash left behind).
+//! transaction as the state change and published after commit; each stays there until the
+//! gateway that wrote it to the client's socket acknowledges it ([`workers`] sends again what
+//! nobody acknowledged, from a NATS restart or a crash).
 
 pub mod engine;
 pub mod http;
@@ -43,6 +44,8 @@ pub struct Application {
     engine: Engine,
     settings: Settings,
     applier: engine::Applier,
+    /// This replica's delivery acknowledgements, subscribed before anything is published.
+    acks: aip_bus::Subscription,
 }
 
 impl Application {
@@ -104,6 +107,11 @@ impl Application {
                 leader_tracker.clone(),
             ));
         };
+        tokio::spawn(workers::run_ack_listener(
+            engine.clone(),
+            self.acks,
+            stop.clone(),
+        ));
         let applier = tokio::spawn(engine::run_applier(
             engine.clone(),
             self.applier,
@@ -151,6 +159,7 @@ impl runner::Service for Application {
         let store = store::TaskStore::new(db);
         let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
         workers::ensure_frames_stream(&engine).await?;
+        let acks = engine.bus().subscribe(engine.ack_subject()).await?;
         let listener =
             ServiceListener::open(ServiceName::Sessions, settings.sessions.listen, listening)
                 .await?;
@@ -159,6 +168,7 @@ impl runner::Service for Application {
             engine,
             settings,
             applier,
+            acks,
         })
     }
 

@@ -451,6 +451,7 @@ impl Machine {
             executor: ExecutorRef {
                 id: executor.agent_id.clone(),
                 platform: executor.platform,
+                connection: Some(executor.connection_id.clone()),
             },
             required_capabilities,
             plan: new.plan.clone(),
@@ -863,8 +864,10 @@ impl Machine {
         })
     }
 
-    /// A client's connection ended: its tasks as executor fail, its requests are canceled.
-    pub fn closed(&mut self, client_id: &str) {
+    /// A client's connection ended: the tasks placed on that connection fail, the tasks it
+    /// asked for are canceled. A newer connection of the same client keeps its tasks (the
+    /// end of a connection can be announced after the client registered again).
+    pub fn closed(&mut self, client_id: &str, connection_id: &str) {
         let Some(ids) = self.clients.get(client_id) else {
             return;
         };
@@ -875,11 +878,18 @@ impl Machine {
                 .map(|t| (t.created_ms, t.task_id.clone()))
         });
         for id in ids {
-            if self.tasks.get(&id).is_none_or(|t| t.state().is_terminal()) {
+            let Some(task) = self.tasks.get(&id) else {
+                continue;
+            };
+            if task.state().is_terminal() {
+                continue;
+            }
+            let as_executor = task.executor.held_by(client_id, connection_id);
+            if !as_executor && !task.requester.held_by(client_id, connection_id) {
                 continue;
             }
             self.change_internally(&id, "ending a task of a closed connection", |core, task| {
-                if task.executor.id == client_id {
+                if as_executor {
                     let error = TaskError::new(
                         ErrorCode::ConnectionFailed,
                         "Task was cancelled because target device disconnected",
@@ -1205,10 +1215,28 @@ mod tests {
     }
 
     #[test]
+    fn the_end_of_an_older_connection_leaves_the_tasks_of_a_newer_one() {
+        let mut m = machine();
+        // Placed on the device's connection "c" (its registry record).
+        m.submit(task("t", "d", 0, 2), None).expect("t");
+        commit(&mut m);
+        m.closed("d", "an-older-connection");
+        assert!(!m.has_changes(), "a stale end changes nothing");
+        assert_eq!(m.tasks["t"].state(), TaskState::Working);
+        m.closed("d", "c");
+        let pending = commit(&mut m);
+        assert_eq!(pending.batch.tasks[0].state(), TaskState::Failed);
+        assert_eq!(
+            pending.batch.tasks[0].error.as_ref().map(|e| e.code),
+            Some(ErrorCode::ConnectionFailed)
+        );
+    }
+
+    #[test]
     fn an_id_stays_taken_after_its_task_ended_and_left_memory() {
         let mut m = machine();
         m.submit(task("x", "d", 0, 1), None).expect("x");
-        m.closed("d");
+        m.closed("d", "c");
         commit(&mut m);
         assert!(m.tasks.is_empty());
         let again = m.submit(task("x", "d", 0, 1), None);

@@ -59,6 +59,13 @@ pub struct SessionSettings {
     pub max_batch: usize,
     /// How often a standby replica tries to become the leader.
     pub standby_retry_ms: u64,
+    /// How long the leadership lasts unless the leader renews it (PostgreSQL): the longest a
+    /// frozen or cut-off leader holds everything up before a standby takes over. The leader
+    /// renews at a third of it; at least 1000.
+    pub leader_lease_ms: u64,
+    /// How long a frame for a client is sent again while no gateway acknowledges writing it;
+    /// after that it is dropped (its client is gone, and its connection's end ended its tasks).
+    pub outbox_retention_ms: u64,
     /// On SIGTERM, how long to let work in progress finish.
     pub shutdown_grace_ms: u64,
 }
@@ -90,10 +97,15 @@ impl Default for SessionSettings {
             max_live_tasks: 100_000,
             max_batch: 2_000,
             standby_retry_ms: 1_000,
+            leader_lease_ms: 5_000,
+            outbox_retention_ms: 120_000,
             shutdown_grace_ms: 10_000,
         }
     }
 }
+
+/// Below this, a leader busy with one large group commit could lose its lease.
+const MIN_LEADER_LEASE_MS: u64 = 1_000;
 
 impl ServiceSettings for Settings {
     const SERVICE: ServiceName = ServiceName::Sessions;
@@ -121,6 +133,12 @@ impl ServiceSettings for Settings {
             return Err(StartError::invalid(
                 ServiceName::Sessions,
                 "max_tasks_per_agent must be at least 1",
+            ));
+        }
+        if self.sessions.leader_lease_ms < MIN_LEADER_LEASE_MS {
+            return Err(StartError::invalid(
+                ServiceName::Sessions,
+                format!("leader_lease_ms must be at least {MIN_LEADER_LEASE_MS}"),
             ));
         }
         Ok(())

@@ -42,6 +42,10 @@ pub enum StoreError {
         task_id: String,
         source: serde_json::Error,
     },
+    /// Another replica took the leadership over (this one's lease ran out, say while it was
+    /// frozen): nothing more is written under the old term.
+    #[error("the leadership passed to another replica (term {term} of '{name}' is over)")]
+    LeaseLost { name: String, term: i64 },
 }
 
 /// How a column's values travel: its SQL type on PostgreSQL (JSON goes as text and is cast).
@@ -137,6 +141,15 @@ const COLUMNS: &[Column] = &[
         },
     },
     Column {
+        name: "requester_connection",
+        kind: Kind::Text,
+        mutable: false,
+        cell: |t| match &t.requester {
+            Requester::Client { connection, .. } => maybe(connection.as_deref()),
+            Requester::Rest(_) | Requester::Nats(_) => maybe(None),
+        },
+    },
+    Column {
         name: "executor_id",
         kind: Kind::Text,
         mutable: true,
@@ -147,6 +160,12 @@ const COLUMNS: &[Column] = &[
         kind: Kind::Text,
         mutable: true,
         cell: |t| text(t.executor.platform.as_str()),
+    },
+    Column {
+        name: "executor_connection",
+        kind: Kind::Text,
+        mutable: true,
+        cell: |t| maybe(t.executor.connection.as_deref()),
     },
     Column {
         name: "required_capabilities",
@@ -371,6 +390,10 @@ static STALE_OUTBOX: Sql = Sql::same(
      ORDER BY created_ms LIMIT $2",
 );
 
+/// Outbox rows committed before `$1` (no gateway acknowledged them since), oldest first.
+static EXPIRED_OUTBOX: Sql =
+    Sql::same("SELECT msg_id FROM task_outbox WHERE created_ms < $1 ORDER BY created_ms LIMIT $2");
+
 /// A `tasks` row as the database returns it: text where [`Task`] has enums.
 #[derive(Debug, sqlx::FromRow)]
 struct TaskRecord {
@@ -382,8 +405,10 @@ struct TaskRecord {
     requester_kind: String,
     requester_id: String,
     requester_type: Option<String>,
+    requester_connection: Option<String>,
     executor_id: Option<String>,
     executor_platform: Option<String>,
+    executor_connection: Option<String>,
     required_capabilities: Json<Vec<String>>,
     planner: String,
     steps: Option<Json<Vec<Vec<Command>>>>,
@@ -423,6 +448,7 @@ impl TryFrom<TaskRecord> for Task {
                 Requester::Client {
                     id: r.requester_id.clone(),
                     client_type,
+                    connection: r.requester_connection.clone(),
                 }
             }
             Some(RequesterKind::Rest) => Requester::Rest(r.requester_id.clone()),
@@ -469,6 +495,7 @@ impl TryFrom<TaskRecord> for Task {
             executor: ExecutorRef {
                 id: executor_id,
                 platform,
+                connection: r.executor_connection,
             },
             plan,
             waiting,
@@ -606,7 +633,7 @@ const IDS_PER_STATEMENT: usize = 500;
 
 /// Splits rows into slices of a few fixed sizes (256, 32, 4 and 1 rows), so a multi-row
 /// statement has one of a few texts and stays in the connection's prepared-statement cache
-/// instead of being parsed again for every batch size. (256 rows × 29 columns stays under
+/// instead of being parsed again for every batch size. (256 rows × 31 columns stays under
 /// SQLite's bind-parameter limit.)
 fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
     let mut chunks = Vec::new();
@@ -620,11 +647,87 @@ fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
     chunks
 }
 
-/// The leader's own connection. It holds the leadership (a session-level advisory lock on
-/// PostgreSQL, released by the server when the connection ends) and writes every batch, so a
-/// replica that lost its connection can no longer write: its transaction fails.
+/// The leadership of a deployment's session service, as one replica claims it.
+#[derive(Debug, Clone)]
+pub struct LeaseSpec {
+    /// One leadership per deployment (named after its subject prefix).
+    pub name: String,
+    /// This replica (unique per process).
+    pub holder: String,
+    /// How long a claim lasts unless renewed.
+    pub duration: std::time::Duration,
+}
+
+/// The database's clock in milliseconds: every replica's lease is judged by one clock.
+const DB_NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::int8";
+
+/// Takes the lease when it is free, ran out, or is already this holder's; a new term each time.
+static TAKE_LEASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO session_leader AS l (name, holder, term, expires_ms) \
+         VALUES ($1, $2, 1, {DB_NOW_MS} + $3) \
+         ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, term = l.term + 1, \
+             expires_ms = excluded.expires_ms \
+         WHERE l.expires_ms < {DB_NOW_MS} OR l.holder = excluded.holder \
+         RETURNING term"
+    )
+});
+
+/// Renews the lease if this holder's term still holds it (the fence of every write).
+static RENEW_LEASE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE session_leader SET expires_ms = {DB_NOW_MS} + $3 \
+         WHERE name = $1 AND holder = $2 AND term = $4"
+    )
+});
+
+/// A term of leadership on PostgreSQL.
+pub struct Term {
+    spec: LeaseSpec,
+    term: i64,
+    /// When the lease was last renewed (by a write or by [`Writer::renew_if_due`]).
+    renewed: std::time::Instant,
+}
+
+impl Term {
+    fn lost(&self) -> StoreError {
+        StoreError::LeaseLost {
+            name: self.spec.name.clone(),
+            term: self.term,
+        }
+    }
+
+    /// Renews the lease on `conn` (inside the write's transaction, or alone).
+    async fn renew(&mut self, conn: &mut sqlx::PgConnection) -> Result<(), StoreError> {
+        let started = std::time::Instant::now();
+        let renewed = sqlx::query(sqlx::AssertSqlSafe(RENEW_LEASE.as_str()))
+            .bind(&self.spec.name)
+            .bind(&self.spec.holder)
+            .bind(millis(self.spec.duration))
+            .bind(self.term)
+            .execute(conn)
+            .await?;
+        if renewed.rows_affected() != 1 {
+            return Err(self.lost());
+        }
+        self.renewed = started;
+        Ok(())
+    }
+}
+
+fn millis(duration: std::time::Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+/// The leader's own connection, which writes every batch. On PostgreSQL the leadership is a
+/// lease in `session_leader`: every write renews it in its own transaction and fails when
+/// another replica's term began, and the connection ends a transaction left idle for half a
+/// lease (a leader frozen mid-write must not keep its locks from the next one).
 pub enum Writer {
-    Pg(sqlx::PgConnection),
+    Pg {
+        conn: sqlx::PgConnection,
+        term: Box<Term>,
+    },
     /// SQLite (one process owns an embedded database).
     Lite(sqlx::SqliteConnection),
 }
@@ -714,13 +817,20 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
 /// Writes a batch on PostgreSQL with one statement per table, whatever its size: columns
 /// travel as arrays and `UNNEST` turns them back into rows. One statement text per table
 /// stays prepared, and a batch costs a handful of round trips.
-async fn write_pg(conn: &mut sqlx::PgConnection, batch: &Batch) -> Result<(), StoreError> {
+async fn write_pg(
+    conn: &mut sqlx::PgConnection,
+    term: &mut Term,
+    batch: &Batch,
+) -> Result<(), StoreError> {
     let rows = batch
         .tasks
         .iter()
         .map(cells)
         .collect::<Result<Vec<_>, _>>()?;
     let mut tx = sqlx::Connection::begin(conn).await?;
+    // First, so that a replica whose term is over writes nothing; the renewed row stays
+    // locked until the commit, so no other replica can take the lease meanwhile.
+    term.renew(&mut *tx).await?;
     if !rows.is_empty() {
         let mut q = sqlx::query(sqlx::AssertSqlSafe(PG_UPSERT_TASKS.as_str()));
         for (i, column) in COLUMNS.iter().enumerate() {
@@ -831,8 +941,40 @@ impl Writer {
             return Ok(());
         }
         match self {
-            Writer::Pg(conn) => write_pg(conn, batch).await,
+            Writer::Pg { conn, term } => write_pg(conn, term, batch).await,
             Writer::Lite(conn) => write_sqlite(conn, batch).await,
+        }
+    }
+
+    /// Renews the lease when a third of it has passed since the last renewal (a leader with
+    /// nothing to write still holds it). Fails when another replica took it over.
+    pub async fn renew_if_due(&mut self) -> Result<(), StoreError> {
+        match self {
+            Writer::Pg { conn, term } if term.renewed.elapsed() >= term.spec.duration / 3 => {
+                term.renew(conn).await
+            }
+            Writer::Pg { .. } | Writer::Lite(_) => Ok(()),
+        }
+    }
+
+    /// Gives the lease up at once (a graceful stop): a standby need not wait for it to run
+    /// out. Best effort; an error leaves the lease to run out.
+    pub async fn resign(&mut self) {
+        if let Writer::Pg { conn, term } = self {
+            let resigned = sqlx::query(
+                "UPDATE session_leader SET expires_ms = 0 \
+                 WHERE name = $1 AND holder = $2 AND term = $3",
+            )
+            .bind(&term.spec.name)
+            .bind(&term.spec.holder)
+            .bind(term.term)
+            .execute(conn)
+            .await;
+            if let Err(e) = resigned {
+                tracing::warn!(
+                    "could not give the leadership up; it passes when the lease runs out: {e}"
+                );
+            }
         }
     }
 
@@ -841,7 +983,7 @@ impl Writer {
     /// replica from leading.
     pub async fn load_live(&mut self) -> Result<Vec<Task>, StoreError> {
         let conn = match self {
-            Writer::Pg(conn) => Conn::Postgres(conn),
+            Writer::Pg { conn, .. } => Conn::Postgres(conn),
             Writer::Lite(conn) => Conn::Sqlite(conn),
         };
         let records: Vec<TaskRecord> = conn.query(&LIVE_TASKS).fetch_all().await?;
@@ -870,31 +1012,50 @@ impl TaskStore {
     }
 
     /// Tries to become the leader: the one replica that applies changes. On PostgreSQL this
-    /// takes a session-level advisory lock named after `name` on a connection of its own, and
-    /// returns `None` while another replica holds it, keeping that connection in `spare` for
-    /// the next try (a standby does not open a connection per try). On SQLite (one process)
-    /// it always succeeds.
+    /// takes the lease `lease.name` on a connection of its own, and returns `None` while
+    /// another replica's lease runs, keeping that connection in `spare` for the next try (a
+    /// standby does not open a connection per try). On SQLite (one process) it always
+    /// succeeds.
     pub async fn try_lead(
         &self,
-        name: &str,
+        lease: &LeaseSpec,
         spare: &mut Option<sqlx::PgConnection>,
     ) -> Result<Option<Writer>, StoreError> {
         Ok(match &self.db {
             Database::Postgres(pool) => {
                 let mut conn = match spare.take() {
                     Some(conn) => conn,
-                    None => pool.acquire().await?.detach(),
-                };
-                let (locked,): (bool,) =
-                    sqlx::query_as("SELECT pg_try_advisory_lock(hashtext($1))")
-                        .bind(name)
-                        .fetch_one(&mut conn)
+                    None => {
+                        let mut conn = pool.acquire().await?.detach();
+                        let idle_ms = (millis(lease.duration) / 2).max(1);
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "SET idle_in_transaction_session_timeout = {idle_ms}"
+                        )))
+                        .execute(&mut conn)
                         .await?;
-                if locked {
-                    Some(Writer::Pg(conn))
-                } else {
-                    *spare = Some(conn);
-                    None
+                        conn
+                    }
+                };
+                let started = std::time::Instant::now();
+                let term: Option<(i64,)> = sqlx::query_as(sqlx::AssertSqlSafe(TAKE_LEASE.as_str()))
+                    .bind(&lease.name)
+                    .bind(&lease.holder)
+                    .bind(millis(lease.duration))
+                    .fetch_optional(&mut conn)
+                    .await?;
+                match term {
+                    Some((term,)) => Some(Writer::Pg {
+                        conn,
+                        term: Box::new(Term {
+                            spec: lease.clone(),
+                            term,
+                            renewed: started,
+                        }),
+                    }),
+                    None => {
+                        *spare = Some(conn);
+                        None
+                    }
                 }
             }
             Database::Sqlite(pool) => Some(Writer::Lite(pool.acquire().await?.detach())),
@@ -1030,6 +1191,24 @@ impl TaskStore {
     }
 }
 
+impl TaskStore {
+    /// Ids of outbox rows committed before `older_than` (ms), oldest first, at most `limit`.
+    pub async fn expired_outbox(
+        &self,
+        older_than: i64,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = self
+            .db
+            .query(&EXPIRED_OUTBOX)
+            .bind(older_than)
+            .bind(limit)
+            .fetch_all()
+            .await?;
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+}
+
 /// Filters of `GET /api/tasks`.
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
@@ -1068,9 +1247,9 @@ mod tests {
 
     #[test]
     fn the_statements_come_from_the_one_column_list() {
-        assert_eq!(COLUMNS.len(), 29);
+        assert_eq!(COLUMNS.len(), 31);
         let upsert = PG_UPSERT_TASKS.as_str();
-        assert!(upsert.contains("$29::int8[]") && !upsert.contains("$30"));
+        assert!(upsert.contains("$31::int8[]") && !upsert.contains("$32"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(

@@ -18,6 +18,9 @@ pub enum Requester {
         id: String,
         /// Galaxy's constellations and UFO's devices are held to different rules.
         client_type: ClientType,
+        /// The connection the request came on: only that connection's end cancels the task
+        /// (`None` in tasks stored before connections were recorded: any of the client's).
+        connection: Option<String>,
     },
     /// A REST caller, by the id it gave.
     Rest(String),
@@ -199,6 +202,32 @@ pub struct ExecutorRef {
     pub id: String,
     /// Decides the default UFO agent name of its commands.
     pub platform: Platform,
+    /// The connection it held when the task was placed on it: only that connection's end
+    /// fails the task (`None` in tasks stored before connections were recorded).
+    pub connection: Option<String>,
+}
+
+impl ExecutorRef {
+    /// Whether the end of `connection_id` of `client_id` ends this executor's part.
+    pub fn held_by(&self, client_id: &str, connection_id: &str) -> bool {
+        self.id == client_id
+            && self
+                .connection
+                .as_deref()
+                .is_none_or(|c| c == connection_id)
+    }
+}
+
+impl Requester {
+    /// Whether the end of `connection_id` of `client_id` is this requester going away.
+    pub fn held_by(&self, client_id: &str, connection_id: &str) -> bool {
+        match self {
+            Requester::Client { id, connection, .. } => {
+                id == client_id && connection.as_deref().is_none_or(|c| c == connection_id)
+            }
+            Requester::Rest(_) | Requester::Nats(_) => false,
+        }
+    }
 }
 
 /// A state change the state machine does not allow: a bug in the caller, refused rather than
@@ -359,6 +388,7 @@ mod tests {
             executor: ExecutorRef {
                 id: "d".into(),
                 platform: Platform::Linux,
+                connection: Some("c1".into()),
             },
             required_capabilities: Vec::new(),
             plan: Plan::Driver,
@@ -449,10 +479,38 @@ mod tests {
         assert_eq!(
             Requester::Client {
                 id: "c".into(),
-                client_type: ClientType::Device
+                client_type: ClientType::Device,
+                connection: None,
             }
             .display(),
             "c"
         );
+    }
+
+    #[test]
+    fn only_the_recorded_connection_ends_a_part() {
+        let executor = task(TaskState::Working).executor;
+        assert!(executor.held_by("d", "c1"));
+        assert!(
+            !executor.held_by("d", "c2"),
+            "a newer connection of the same device"
+        );
+        assert!(!executor.held_by("e", "c1"));
+        let unknown = ExecutorRef {
+            connection: None,
+            ..executor
+        };
+        assert!(
+            unknown.held_by("d", "any"),
+            "tasks stored without a connection"
+        );
+        let requester = Requester::Client {
+            id: "g".into(),
+            client_type: ClientType::Constellation,
+            connection: Some("k1".into()),
+        };
+        assert!(requester.held_by("g", "k1"));
+        assert!(!requester.held_by("g", "k2"));
+        assert!(!Requester::Rest("g".into()).held_by("g", "k1"));
     }
 }

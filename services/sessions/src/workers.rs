@@ -54,6 +54,7 @@ pub async fn consume_frames(
     tracker: TaskTracker,
 ) {
     let stream = engine.subjects().frames_stream();
+    release_held_frames(&engine, &stream).await;
     loop {
         let deliveries = match engine
             .bus()
@@ -82,6 +83,26 @@ pub async fn consume_frames(
                     () = stop.cancelled() => return,
                 }
             }
+        }
+    }
+}
+
+/// At the start of a term: the frames a previous leader was given and never acknowledged (it
+/// died or froze) are delivered again now, instead of after the consumer's ack wait. Frames
+/// this one already applied are recognised by their ids. A failure only costs that wait.
+async fn release_held_frames(engine: &Engine, stream: &str) {
+    match engine
+        .bus()
+        .release_pending(stream.to_owned(), CONSUMER.to_owned())
+        .await
+    {
+        Ok(0) => {}
+        Ok(held) => tracing::info!(
+            held,
+            "frames a previous leader held are delivered again now"
+        ),
+        Err(e) => {
+            tracing::warn!("frames a previous leader held wait for their redelivery timer: {e}")
         }
     }
 }
@@ -146,6 +167,7 @@ async fn run_consumer(
                 GatewayEvent::Closed(closed) => (
                     Op::Closed {
                         client_id: closed.client_id,
+                        connection_id: closed.connection_id,
                         reply,
                     },
                     None,
@@ -393,19 +415,88 @@ async fn ask_planner(engine: &Engine, request: &PlanRequest) -> Result<PlanStep,
     }
 }
 
-/// Every second while leading: re-sends outbox rows older than five seconds (a publish that
-/// failed, or frames a crash left unsent; gateways drop the copies they already delivered).
+/// Every second while leading: re-sends the outbox frames no gateway acknowledged within
+/// five seconds (a publish lost in a NATS restart, a gateway that was resubscribing, frames a
+/// crash left unsent; gateways drop the copies they already wrote), and drops those older than
+/// `outbox_retention_ms` (their client is gone: its connection's end has ended their tasks).
 pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(OUTBOX_SWEEP_EVERY);
+    let retention = i64::try_from(engine.settings().outbox_retention_ms).unwrap_or(i64::MAX / 4);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             () = stop.cancelled() => return,
         }
-        match engine.store.stale_outbox(now_ms() - 5_000, 500).await {
-            Ok(rows) if !rows.is_empty() => engine.publish_frames(rows).await,
-            Ok(_) => {}
+        let now = now_ms();
+        let expired = match engine
+            .store
+            .expired_outbox(now - retention, OUTBOX_SWEEP_ROWS)
+            .await
+        {
+            Ok(expired) => expired,
+            Err(e) => {
+                tracing::warn!("outbox sweep failed: {e}");
+                continue;
+            }
+        };
+        if !expired.is_empty() {
+            tracing::warn!(
+                count = expired.len(),
+                retention_ms = retention,
+                "frames no gateway acknowledged within the retention are dropped"
+            );
+        }
+        let dropped: std::collections::HashSet<String> = expired.iter().cloned().collect();
+        engine.mark_published(expired);
+        match engine
+            .store
+            .stale_outbox(now - OUTBOX_RESEND_AFTER_MS, OUTBOX_SWEEP_ROWS)
+            .await
+        {
+            Ok(rows) => {
+                let rows: Vec<_> = rows
+                    .into_iter()
+                    .filter(|r| !dropped.contains(&r.msg_id))
+                    .collect();
+                if !rows.is_empty() {
+                    engine.publish_frames(rows).await;
+                }
+            }
             Err(e) => tracing::warn!("outbox sweep failed: {e}"),
+        }
+    }
+}
+
+/// How often the outbox is swept.
+const OUTBOX_SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// A frame not acknowledged this long after it was committed is sent again.
+const OUTBOX_RESEND_AFTER_MS: i64 = 5_000;
+/// Rows one sweep handles at most.
+const OUTBOX_SWEEP_ROWS: i64 = 500;
+
+/// Reads this replica's delivery acknowledgements until `stop`: each acknowledged frame leaves
+/// the outbox with the next group. Subscribed before anything is published.
+pub async fn run_ack_listener(
+    engine: Engine,
+    mut acks: aip_bus::Subscription,
+    stop: CancellationToken,
+) {
+    loop {
+        let message = tokio::select! {
+            message = acks.next() => message,
+            () = stop.cancelled() => return,
+        };
+        let Some(message) = message else {
+            tracing::error!(
+                "the delivery acknowledgement subscription ended; frames are sent again until their retention"
+            );
+            return;
+        };
+        match serde_json::from_slice::<proto_schemas::sessions::DeliveryAck>(&message.payload) {
+            Ok(ack) => engine.mark_published([ack.msg_id]),
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, "not a delivery acknowledgement, ignored: {e}")
+            }
         }
     }
 }

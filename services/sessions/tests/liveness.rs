@@ -1,13 +1,72 @@
-//! A gateway that dies says nothing: its agents go offline when their liveness expires, and
-//! the tasks they execute must end then, not at their command timeout.
+//! A gateway that dies says nothing: its agents go offline when their liveness expires, when
+//! it starts again under the same id, or when their clients register again elsewhere, and the
+//! tasks they execute must end then, not at their command timeout. The end of an older
+//! connection never ends the tasks of a client's newer one. Frames for clients are sent again
+//! until a gateway acknowledges writing them.
 
 use std::time::Duration;
 
 use aip_bus::registry::RegistryClient;
-use aip_testkit::{Backend, Options, Stack, both_backends, eventually, get_json, post_json};
+use aip_bus::{Headers, names};
+use aip_testkit::{
+    Backend, Options, Stack, both_backends, eventually, get_json, post_json, within,
+};
+use futures::StreamExt;
 use proto_schemas::registry::RegisterAgent;
+use proto_schemas::sessions::{ConnectionClosed, DeliveryAck, GatewayEvent};
 use proto_schemas::{ClientType, Platform, Subjects, V1};
-use serde_json::json;
+use serde_json::{Value, json};
+
+/// A device registered by `principal` through `gateway` on `connection`, as the gateway
+/// holding it would register it.
+fn device(id: &str, gateway: &str, connection: &str, principal: &str) -> RegisterAgent {
+    RegisterAgent {
+        version: V1,
+        agent_id: id.to_owned(),
+        client_type: ClientType::Device,
+        gateway_id: gateway.to_owned(),
+        connection_id: connection.to_owned(),
+        principal: principal.to_owned(),
+        platform: Platform::Linux,
+        target_id: None,
+        capabilities: Vec::new(),
+        tools: Vec::new(),
+        system_info: None,
+        metadata: None,
+        extensions: Vec::new(),
+    }
+}
+
+fn registry_of(stack: &Stack) -> RegistryClient {
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    RegistryClient::new(stack.bus.clone(), subjects, Duration::from_secs(5))
+}
+
+/// A REST-driven task on `target`; its id.
+async fn driven_task(stack: &Stack, target: &str) -> String {
+    let body = json!({ "version": 1, "description": "driven", "originating_agent_id": "ops",
+        "target_id": target, "driver": true });
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+    assert_eq!(task["state"], "dispatched", "{task}");
+    task["task_id"].as_str().expect("an id").to_owned()
+}
+
+async fn task_state(stack: &Stack, id: &str) -> Value {
+    get_json(&format!("{}/api/tasks/{id}", stack.sessions_url()))
+        .await
+        .1
+}
+
+/// Waits until the task has left `dispatched`, and returns it.
+async fn ended(stack: &Stack, id: &str) -> Value {
+    eventually("the task to end", || async {
+        let task = task_state(stack, id).await;
+        (task["state"] != "dispatched").then_some(task)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
 
 async fn a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires(backend: Backend) {
     let stack = Stack::start(
@@ -71,3 +130,193 @@ async fn a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires(backe
 }
 
 both_backends!(a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires);
+
+/// Finding 2 of issue 14, same id: a gateway killed and started again under its configured id
+/// tells the registry before it takes registrations. Its old connections end at once (not
+/// after the 100 s agent window), their tasks fail, and the clients register again at once
+/// instead of being refused as duplicates of themselves.
+async fn a_gateway_restarted_under_its_id_ends_the_old_processes_connections(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let registry = registry_of(&stack);
+    registry
+        .register(&device("dev", "gw-same", "old-process:1", "anonymous"))
+        .await
+        .expect("registered");
+    let id = driven_task(&stack, "dev").await;
+
+    let refused = registry
+        .register(&device("dev", "gw-same", "new-process:1", "anonymous"))
+        .await
+        .expect_err("still live: a duplicate until the gateway says it restarted");
+    assert!(
+        refused.to_string().contains("already registered"),
+        "{refused}"
+    );
+
+    let ack = registry
+        .gateway_started("gw-same")
+        .await
+        .expect("the registry answers");
+    assert_eq!(ack.ended, 1);
+    let task = ended(&stack, &id).await;
+    assert_eq!(task["state"], "failed", "{task}");
+    assert_eq!(task["error_code"], "CONNECTION_FAILED", "{task}");
+    registry
+        .register(&device("dev", "gw-same", "new-process:1", "anonymous"))
+        .await
+        .expect("registers again at once");
+    let again = driven_task(&stack, "dev").await;
+    assert_eq!(task_state(&stack, &again).await["state"], "dispatched");
+    stack.stop().await;
+}
+
+both_backends!(a_gateway_restarted_under_its_id_ends_the_old_processes_connections);
+
+/// Finding 2 of issue 14, new id: a client that registers again takes its id from the
+/// connection a dead gateway held; that connection's end is announced, so its tasks end. A
+/// late report of the old connection's end (a reaper, the old gateway's own) leaves the tasks
+/// of the new connection alone.
+async fn a_replaced_connections_tasks_end_and_a_late_end_spares_the_new_ones(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let registry = registry_of(&stack);
+    registry
+        .register(&device("dev", "gw-dead", "dead:1", "lab"))
+        .await
+        .expect("registered");
+    registry
+        .register(&device("witness", "gw-dead", "dead:2", "lab"))
+        .await
+        .expect("registered");
+    let old = driven_task(&stack, "dev").await;
+
+    let registered = registry
+        .register(&device("dev", "gw-new", "new:1", "lab"))
+        .await
+        .expect("the same credential takes its id over");
+    assert_eq!(registered.replaced_connection.as_deref(), Some("dead:1"));
+    assert_eq!(registered.replaced_gateway.as_deref(), Some("gw-dead"));
+    let task = ended(&stack, &old).await;
+    assert_eq!(task["state"], "failed", "{task}");
+    assert_eq!(task["error_code"], "CONNECTION_FAILED", "{task}");
+
+    let new = driven_task(&stack, "dev").await;
+    let witness = driven_task(&stack, "witness").await;
+    // The old connection's end reported late, then a witness's end behind it in the stream:
+    // once the witness's task ended, the late report has been applied.
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    for (client, connection, msg_id) in [
+        ("dev", "dead:1", "late-report"),
+        ("witness", "dead:2", "dead:2:closed"),
+    ] {
+        let event = GatewayEvent::Closed(ConnectionClosed {
+            version: V1,
+            gateway_id: "gw-dead".to_owned(),
+            connection_id: connection.to_owned(),
+            client_id: client.to_owned(),
+            client_type: ClientType::Device,
+            reason: "liveness_expired".to_owned(),
+        });
+        stack
+            .bus
+            .publish_durable(
+                subjects.frames(client),
+                Headers::new().with(names::MSG_ID, msg_id),
+                serde_json::to_vec(&event).expect("json").into(),
+            )
+            .await
+            .expect("stored");
+    }
+    assert_eq!(ended(&stack, &witness).await["state"], "failed");
+    let new = task_state(&stack, &new).await;
+    assert_eq!(
+        new["state"], "dispatched",
+        "the new connection keeps its task: {new}"
+    );
+    stack.stop().await;
+}
+
+both_backends!(a_replaced_connections_tasks_end_and_a_late_end_spares_the_new_ones);
+
+/// Finding 3 of issue 14: a frame for a client leaves the outbox only when a gateway
+/// acknowledges writing it. Here no gateway holds the client (as while NATS restarts), so the
+/// command comes again, with the same id; once acknowledged, it stops coming.
+async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let registry = registry_of(&stack);
+    registry
+        .register(&device("dev", "gw-1", "gw-1:1", "lab"))
+        .await
+        .expect("registered");
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    let mut deliveries = stack
+        .bus
+        .subscribe(subjects.deliver("dev"))
+        .await
+        .expect("subscribe");
+    let body = json!({ "version": 1, "description": "echo", "originating_agent_id": "ops",
+        "target_id": "dev",
+        "steps": [[{ "tool_name": "echo", "tool_type": "action", "parameters": {} }]] });
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+
+    // Every frame sent until one comes a second time: sent again, with the same id.
+    let wait = Duration::from_secs(15);
+    let mut seen = std::collections::HashMap::new();
+    let (msg_id, ack_to) = loop {
+        let frame = within(wait, "a frame for the device", deliveries.next())
+            .await
+            .expect("subscribed");
+        let msg_id = frame.headers.get(names::MSG_ID).expect("an id").to_owned();
+        let ack_to = frame
+            .headers
+            .get(names::ACK)
+            .expect("where to ack")
+            .to_owned();
+        if let Some(payload) = seen.insert(msg_id.clone(), frame.payload.clone()) {
+            assert_eq!(payload, frame.payload, "the same frame");
+            break (msg_id, ack_to);
+        }
+    };
+    let command: Value = serde_json::from_slice(&seen[&msg_id]).expect("json");
+    assert_eq!(command["type"], "command", "{command}");
+
+    for id in seen.keys() {
+        let ack = DeliveryAck {
+            version: V1,
+            msg_id: id.clone(),
+        };
+        stack
+            .bus
+            .publish(
+                ack_to.clone(),
+                Headers::new(),
+                serde_json::to_vec(&ack).expect("json").into(),
+            )
+            .await
+            .expect("acknowledged");
+    }
+    // Copies already on their way may arrive; after the sweeps that follow, none does.
+    let quiet = Duration::from_secs(8);
+    let deadline = tokio::time::Instant::now() + quiet;
+    let mut last_copy = None;
+    while let Ok(Some(copy)) = tokio::time::timeout_at(deadline, deliveries.next()).await {
+        let id = copy.headers.get(names::MSG_ID).expect("an id");
+        assert!(seen.contains_key(id), "no new frame: {id}");
+        last_copy = Some(tokio::time::Instant::now());
+    }
+    if let Some(at) = last_copy {
+        assert!(
+            deadline - at > Duration::from_secs(5),
+            "copies kept coming after the acknowledgement"
+        );
+    }
+    stack.stop().await;
+}
+
+both_backends!(a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it);

@@ -6,7 +6,11 @@
 
 use aip_sessions::machine::{Machine, NewTask, Placement, Plan, Prepared, Requester};
 use aip_sessions::settings::SessionSettings;
-use aip_sessions::store::{Batch, ListFilter, OutFrame, TaskStore, Writer, now_ms};
+use std::time::Duration;
+
+use aip_sessions::store::{
+    Batch, LeaseSpec, ListFilter, OutFrame, StoreError, TaskStore, Writer, now_ms,
+};
 use aip_store::testing::TestDatabase;
 use aip_testkit::{Backend, both_backends, test_database};
 use proto_schemas::sessions::TaskState;
@@ -41,10 +45,18 @@ fn new_task(id: &str, name: &str, requester: Requester, executor: &str, plan: Pl
     }
 }
 
+fn lease(holder: &str, duration: Duration) -> LeaseSpec {
+    LeaseSpec {
+        name: "store-suite".to_owned(),
+        holder: holder.to_owned(),
+        duration,
+    }
+}
+
 async fn lead(store: &TaskStore) -> Writer {
     let mut spare = None;
     store
-        .try_lead("store-suite", &mut spare)
+        .try_lead(&lease("only", Duration::from_secs(30)), &mut spare)
         .await
         .expect("the database answers")
         .expect("nobody else leads")
@@ -73,6 +85,7 @@ async fn every_store_function(backend: Backend) {
     let constellation = Requester::Client {
         id: "galaxy".to_owned(),
         client_type: ClientType::Constellation,
+        connection: Some("galaxy-connection".to_owned()),
     };
     machine
         .submit(
@@ -308,38 +321,106 @@ async fn every_store_function(backend: Backend) {
 
 both_backends!(every_store_function);
 
+/// Tries to lead until it does, at most `within`.
+async fn lead_within(
+    store: &TaskStore,
+    lease: &LeaseSpec,
+    spare: &mut Option<sqlx::PgConnection>,
+    within: Duration,
+) -> Option<Writer> {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if let Some(writer) = store
+            .try_lead(lease, spare)
+            .await
+            .expect("the database answers")
+        {
+            return Some(writer);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_one_replica_leads_on_postgres() {
     let db = TestDatabase::postgres().await.expect("a test database");
     let database = db.connect().await.expect("connects");
     database.migrate().await.expect("migrates");
     let store = TaskStore::new(database.clone());
-    let leader = lead(&store).await;
+    let short = Duration::from_millis(1500);
+    let (a, b) = (lease("a", short), lease("b", short));
+    let mut a_spare = None;
+    let mut leader = store
+        .try_lead(&a, &mut a_spare)
+        .await
+        .expect("the database answers")
+        .expect("nobody leads yet");
     let mut spare = None;
     let second = store
-        .try_lead("store-suite", &mut spare)
+        .try_lead(&b, &mut spare)
         .await
         .expect("the database answers");
-    assert!(second.is_none(), "the lock is held");
+    assert!(second.is_none(), "the lease is held");
     assert!(spare.is_some(), "the standby keeps its connection");
-    drop(leader);
-    let mut taken = None;
-    for _ in 0..100 {
-        if let Some(w) = store
-            .try_lead("store-suite", &mut spare)
-            .await
-            .expect("the database answers")
-        {
-            taken = Some(w);
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+
+    // A leader that renews keeps the lease past its length.
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        leader.renew_if_due().await.expect("still leading");
     }
     assert!(
-        taken.is_some(),
-        "the standby leads once the leader's connection is gone"
+        store
+            .try_lead(&b, &mut spare)
+            .await
+            .expect("the database answers")
+            .is_none(),
+        "renewed: still held after more than one lease"
     );
+
+    // A leader that stops renewing (frozen) loses it within a lease; its next write fails.
+    let mut taken = lead_within(&store, &b, &mut spare, Duration::from_secs(5))
+        .await
+        .expect("the standby leads once the lease ran out");
+    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+    machine
+        .submit(
+            new_task(
+                "fenced",
+                "n",
+                Requester::Rest("ops".into()),
+                "d1",
+                scripted(1),
+            ),
+            None,
+        )
+        .expect("accepted");
+    let pending = machine.take();
+    let refused = leader
+        .write(&pending.batch)
+        .await
+        .expect_err("the old term writes nothing");
+    assert!(matches!(refused, StoreError::LeaseLost { .. }), "{refused}");
+    assert!(store.get("fenced").await.expect("reads").is_none());
+    taken
+        .write(&pending.batch)
+        .await
+        .expect("the new term writes");
+    assert!(store.get("fenced").await.expect("reads").is_some());
+
+    // A graceful stop hands the lease over at once.
+    taken.resign().await;
     drop(taken);
+    let mut c_spare = None;
+    assert!(
+        store
+            .try_lead(&lease("c", short), &mut c_spare)
+            .await
+            .expect("the database answers")
+            .is_some(),
+        "resigned: taken at the first try"
+    );
+    drop(leader);
     database.close().await;
     db.cleanup().await;
 }

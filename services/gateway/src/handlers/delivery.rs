@@ -2,8 +2,9 @@
 //! by the session service, written to the socket as they are; and the control message
 //! telling a replaced connection to close.
 
-use aip_bus::{Message as BusMessage, names};
-use proto_schemas::{ErrorCode, server};
+use aip_bus::{Headers, Message as BusMessage, names};
+use proto_schemas::sessions::DeliveryAck;
+use proto_schemas::{ErrorCode, V1, server};
 
 use crate::client::{Client, End};
 use crate::connection::close;
@@ -23,6 +24,7 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         && !client.recent_deliveries.first_time(id)
     {
         tracing::debug!(id, "duplicate delivery dropped");
+        acknowledge(client, &message).await;
         return Ok(());
     }
     let payload = match aip_bus::payload_of(client.state.bus.as_ref(), &message).await {
@@ -36,10 +38,45 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         }
     };
     match String::from_utf8(payload.to_vec()) {
-        Ok(text) => Ok(client.connection.write_text(text)?),
+        Ok(text) => client.connection.write_text(text)?,
         Err(_) => {
             tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
-            Ok(())
         }
+    }
+    // Also for a frame dropped as not UTF-8: sending it again cannot make it readable.
+    acknowledge(client, &message).await;
+    Ok(())
+}
+
+/// Tells the sender that asked (`Aip-Ack`) that the frame is written, so it stops re-sending
+/// it. A lost acknowledgement costs a re-send, which is dropped as a duplicate above.
+async fn acknowledge(client: &Client, message: &BusMessage) {
+    let (Some(subject), Some(msg_id)) = (
+        message.headers.get(names::ACK),
+        message.headers.get(names::MSG_ID),
+    ) else {
+        return;
+    };
+    let ack = DeliveryAck {
+        version: V1,
+        msg_id: msg_id.to_owned(),
+    };
+    let payload = match serde_json::to_vec(&ack) {
+        Ok(payload) => payload,
+        Err(e) => {
+            tracing::error!("a delivery acknowledgement could not be encoded: {e}");
+            return;
+        }
+    };
+    if let Err(e) = client
+        .state
+        .bus
+        .publish(subject.to_owned(), Headers::new(), payload.into())
+        .await
+    {
+        tracing::debug!(
+            msg_id,
+            "delivery acknowledgement not sent (the frame comes again): {e}"
+        );
     }
 }

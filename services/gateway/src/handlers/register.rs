@@ -63,6 +63,15 @@ pub(crate) async fn handle(
         None
     };
     let state = client.state.clone();
+    if !started(&state).await {
+        return Err(refuse(
+            client,
+            ErrorCode::Unavailable,
+            "the gateway is starting: the registry has not confirmed it yet; try again shortly"
+                .to_owned(),
+            close::TRY_AGAIN,
+        ));
+    }
     let request = RegisterAgent {
         version: V1,
         agent_id: client_id.clone(),
@@ -138,6 +147,17 @@ pub(crate) async fn handle(
         deliveries,
         liveness,
     })
+}
+
+/// Waits (at most the registry's request timeout) until the registry confirmed this gateway's
+/// start; false if it has not.
+async fn started(state: &AppState) -> bool {
+    let mut announced = state.announced.clone();
+    let patience = std::time::Duration::from_millis(state.settings.gateway.request_timeout_ms);
+    matches!(
+        tokio::time::timeout(patience, announced.wait_for(|started| *started)).await,
+        Ok(Ok(_))
+    )
 }
 
 /// A device's system info, serialised once for the device-info requests this gateway answers

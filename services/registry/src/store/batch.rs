@@ -50,7 +50,7 @@ static GATEWAYS_ALIVE: LazyLock<Sql> = LazyLock::new(|| {
 static LOCK_HOLDERS: LazyLock<Sql> = LazyLock::new(|| {
     Sql::render(|b| {
         format!(
-            "SELECT a.agent_id, a.connection_id, a.principal, a.status, \
+            "SELECT a.agent_id, a.connection_id, a.gateway_id, a.principal, a.status, \
                     (a.status <> 'offline' AND a.last_seen >= {agent} \
                      AND g.last_seen IS NOT NULL AND g.last_seen >= {gateway}) AS live \
              FROM agents a LEFT JOIN gateways g ON g.gateway_id = a.gateway_id \
@@ -114,6 +114,7 @@ static UPDATE_AGENT: LazyLock<Sql> = LazyLock::new(|| {
 struct HeldRow {
     agent_id: String,
     connection_id: String,
+    gateway_id: String,
     principal: String,
     /// The stored status, parsed only when a registration is judged against it.
     status: String,
@@ -124,6 +125,7 @@ impl HeldRow {
     fn holder(&self) -> Result<Holder, StoreError> {
         Ok(Holder {
             connection_id: self.connection_id.clone(),
+            gateway_id: self.gateway_id.clone(),
             principal: self.principal.clone(),
             status: AgentStatus::from_wire(&self.status).ok_or_else(|| StoreError::Corrupt {
                 agent_id: self.agent_id.clone(),
@@ -152,8 +154,8 @@ struct Admitted<'r> {
     index: usize,
     request: &'r RegisterAgent,
     kind: Kind,
-    /// The connection it takes the id from, to be closed.
-    replaced: Option<String>,
+    /// The connection it takes the id from, to be closed, and its gateway.
+    replaced: Option<(String, String)>,
 }
 
 impl SqlAgentStore {
@@ -292,6 +294,10 @@ fn judge_all<'r>(
         }
         match admit(request, holder.as_ref()) {
             Ok(replaced) => admitted.push(Admitted {
+                replaced: replaced.map(|connection| {
+                    let gateway = holder.as_ref().map(|h| h.gateway_id.clone());
+                    (connection, gateway.unwrap_or_default())
+                }),
                 index,
                 request,
                 kind: if holder.is_some() {
@@ -299,7 +305,6 @@ fn judge_all<'r>(
                 } else {
                     Kind::New
                 },
-                replaced,
             }),
             Err(refusal) => registered[index] = Some(Ok(RegisterOutcome::Refused(refusal))),
         }
@@ -348,7 +353,8 @@ async fn write_rows<'r>(
             Some(agent) => {
                 registered[a.index] = Some(Ok(RegisterOutcome::Registered(Box::new(Registered {
                     agent,
-                    replaced_connection: a.replaced,
+                    replaced_connection: a.replaced.as_ref().map(|(c, _)| c.clone()),
+                    replaced_gateway: a.replaced.map(|(_, g)| g),
                 }))));
             }
             None if a.kind == Kind::New => lost.push((a.index, a.request)),

@@ -6,7 +6,9 @@ use std::time::Duration;
 use aip_store::{Database, Sql};
 use sqlx::Row;
 
-use super::{PresenceApplied, PresenceFlush, SqlAgentStore, StoreError, Windows, millis};
+use proto_schemas::ClientType;
+
+use super::{Ended, PresenceApplied, PresenceFlush, SqlAgentStore, StoreError, Windows, millis};
 
 /// A gateway (`$1`) reported, with its interval (`$2`).
 static GATEWAY_REPORTED: LazyLock<Sql> = LazyLock::new(|| {
@@ -64,7 +66,7 @@ static REAP: LazyLock<Sql> = LazyLock::new(|| {
              ) \
              UPDATE agents a SET status = 'offline', offline_reason = 'liveness_expired' \
              FROM locked l WHERE a.agent_id = l.agent_id \
-             RETURNING a.agent_id",
+             RETURNING a.agent_id, a.client_type, a.gateway_id, a.connection_id",
             agent = b.ago(1),
             gateway = b.ago(2),
         ),
@@ -73,12 +75,20 @@ static REAP: LazyLock<Sql> = LazyLock::new(|| {
              WHERE status <> 'offline' AND (last_seen < {agent} OR NOT EXISTS ( \
                  SELECT 1 FROM gateways g WHERE g.gateway_id = agents.gateway_id \
                  AND g.last_seen >= {gateway})) \
-             RETURNING agent_id",
+             RETURNING agent_id, client_type, gateway_id, connection_id",
             agent = b.ago(1),
             gateway = b.ago(2),
         ),
     })
 });
+
+/// Gateway `$1` started again: the agents its previous process held go offline for good, as
+/// when a gateway stops (`gateway_stopped`: a late presence report revives nothing).
+static GATEWAY_RESTARTED: Sql = Sql::same(
+    "UPDATE agents SET status = 'offline', offline_reason = 'gateway_stopped' \
+     WHERE gateway_id = $1 AND status <> 'offline' \
+     RETURNING agent_id, client_type, gateway_id, connection_id",
+);
 
 /// Forgets the gateways silent for `$1` milliseconds that hold no live agent.
 static FORGET_GATEWAYS: LazyLock<Sql> = LazyLock::new(|| {
@@ -135,8 +145,8 @@ impl SqlAgentStore {
         &self,
         windows: &Windows,
         forget_gateways_after: Duration,
-    ) -> Result<Vec<String>, StoreError> {
-        let reaped: Vec<(String,)> = self
+    ) -> Result<Vec<Ended>, StoreError> {
+        let reaped: Vec<EndedRow> = self
             .db
             .query(&REAP)
             .bind(millis(windows.agent))
@@ -148,7 +158,45 @@ impl SqlAgentStore {
             .bind(millis(forget_gateways_after))
             .execute()
             .await?;
-        Ok(reaped.into_iter().map(|(id,)| id).collect())
+        reaped.into_iter().map(EndedRow::ended).collect()
+    }
+
+    pub(super) async fn gateway_restarted(
+        &self,
+        gateway_id: &str,
+    ) -> Result<Vec<Ended>, StoreError> {
+        let ended: Vec<EndedRow> = self
+            .db
+            .query(&GATEWAY_RESTARTED)
+            .bind(gateway_id.to_owned())
+            .fetch_all()
+            .await?;
+        ended.into_iter().map(EndedRow::ended).collect()
+    }
+}
+
+/// A connection marked offline, as a statement returns it.
+#[derive(sqlx::FromRow)]
+struct EndedRow {
+    agent_id: String,
+    client_type: String,
+    gateway_id: String,
+    connection_id: String,
+}
+
+impl EndedRow {
+    fn ended(self) -> Result<Ended, StoreError> {
+        let client_type =
+            ClientType::from_wire(&self.client_type).ok_or_else(|| StoreError::Corrupt {
+                agent_id: self.agent_id.clone(),
+                detail: format!("unknown client_type `{}`", self.client_type),
+            })?;
+        Ok(Ended {
+            agent_id: self.agent_id,
+            client_type,
+            gateway_id: self.gateway_id,
+            connection_id: self.connection_id,
+        })
     }
 }
 

@@ -107,8 +107,15 @@ impl AgentStore for SqlAgentStore {
         &'a self,
         windows: &'a Windows,
         forget_gateways_after: Duration,
-    ) -> BoxFuture<'a, Result<Vec<String>, StoreError>> {
+    ) -> BoxFuture<'a, Result<Vec<Ended>, StoreError>> {
         self.expire(windows, forget_gateways_after).boxed()
+    }
+
+    fn end_gateway<'a>(
+        &'a self,
+        gateway_id: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<Ended>, StoreError>> {
+        self.gateway_restarted(gateway_id).boxed()
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
@@ -182,13 +189,22 @@ pub trait AgentStore: Send + Sync + 'static {
         flush: &'a PresenceFlush,
     ) -> BoxFuture<'a, Result<PresenceApplied, StoreError>>;
 
-    /// Marks offline every agent not offline that is no longer live; returns their ids.
-    /// Also forgets gateways silent for `forget_gateways_after` that hold no live agent.
+    /// Marks offline every agent not offline that is no longer live; returns the connections
+    /// that ended so. Also forgets gateways silent for `forget_gateways_after` that hold no
+    /// live agent.
     fn reap<'a>(
         &'a self,
         windows: &'a Windows,
         forget_gateways_after: Duration,
-    ) -> BoxFuture<'a, Result<Vec<String>, StoreError>>;
+    ) -> BoxFuture<'a, Result<Vec<Ended>, StoreError>>;
+
+    /// A gateway started again under `gateway_id`: marks offline every agent not offline that
+    /// it held (`gateway_stopped`, never revived by a late presence report) and returns their
+    /// connections.
+    fn end_gateway<'a>(
+        &'a self,
+        gateway_id: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<Ended>, StoreError>>;
 
     /// Checks that the database answers.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
@@ -247,11 +263,23 @@ pub struct BatchOutcome {
     pub registered: Vec<Result<RegisterOutcome, StoreError>>,
 }
 
+/// A connection that ended without its gateway reporting it (the registry announces it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    pub agent_id: String,
+    pub client_type: ClientType,
+    /// The gateway that held it.
+    pub gateway_id: String,
+    pub connection_id: String,
+}
+
 /// The current holder of an id, as read under the row lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     /// The connection to close if a registration takes the id over.
     pub connection_id: String,
+    /// The gateway holding that connection.
+    pub gateway_id: String,
     /// The credential that registered it, told apart from the newcomer's.
     pub principal: String,
     /// As stored (an offline holder may still be live by the clock, or the reverse).

@@ -1,0 +1,16 @@
+-- A task remembers the connections it is bound to: the end of a client's older connection,
+-- announced after the client registered again, must not end the tasks of its newer one.
+-- NULL (tasks stored before): any connection of the client.
+ALTER TABLE tasks ADD COLUMN requester_connection text;
+ALTER TABLE tasks ADD COLUMN executor_connection text;
+
+-- The leadership of the session service is a lease, renewed by the leader inside every write
+-- and at least every third of its length when idle. A frozen leader's lease runs out and a
+-- standby takes over; the old leader's next write finds the term changed and fails. (It was a
+-- session-level advisory lock, which a frozen process keeps as long as its connection.)
+CREATE TABLE session_leader (
+    name        text PRIMARY KEY,
+    holder      text NOT NULL,
+    term        bigint NOT NULL,
+    expires_ms  bigint NOT NULL
+);
