@@ -453,7 +453,10 @@ async def drive(cluster, fault, scale):
             errors_only[(e or "")[:120]] = errors_only.get((e or "")[:120], 0) + 1
     contradictions = []
     for sid, s in snapshot.items():
-        if s[0] is not None and db_states.get(sid) != s[0]:
+        # A task refused before it was stored gets a failed task_end and has no row: that is
+        # the wire contract's refusal (counted in ended_otherwise), not a contradiction.
+        refused = s[0] == "failed" and sid not in db_states
+        if s[0] is not None and not refused and db_states.get(sid) != s[0]:
             contradictions.append((sid, s[0], db_states.get(sid)))
     ends = sorted(t.ended_at for t in record.tasks.values()
                   if t.end_status == "completed" and t.ended_at is not None)

@@ -661,15 +661,35 @@ pub struct LeaseSpec {
 /// The database's clock in milliseconds: every replica's lease is judged by one clock.
 const DB_NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::int8";
 
+/// This connection's database session: its pid and when it started.
+const DB_SESSION: &str = "pg_backend_pid(), \
+     (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())";
+
 /// Takes the lease when it is free, ran out, or is already this holder's; a new term each time.
 static TAKE_LEASE: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "INSERT INTO session_leader AS l (name, holder, term, expires_ms) \
-         VALUES ($1, $2, 1, {DB_NOW_MS} + $3) \
+        "INSERT INTO session_leader AS l \
+             (name, holder, term, expires_ms, holder_pid, holder_backend_start) \
+         VALUES ($1, $2, 1, {DB_NOW_MS} + $3, {DB_SESSION}) \
          ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, term = l.term + 1, \
-             expires_ms = excluded.expires_ms \
+             expires_ms = excluded.expires_ms, holder_pid = excluded.holder_pid, \
+             holder_backend_start = excluded.holder_backend_start \
          WHERE l.expires_ms < {DB_NOW_MS} OR l.holder = excluded.holder \
          RETURNING term"
+    )
+});
+
+/// Ends the database session of another holder whose lease ran out, if it is still open: a
+/// leader frozen halfway through a statement keeps its transaction, and its locks, open
+/// (the server's idle-in-transaction timeout does not cover a half-sent message), and that
+/// would keep every standby from taking over. Matched on pid and start, so a reused pid is
+/// never ended.
+static END_EXPIRED_HOLDER: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT pg_terminate_backend(a.pid) FROM session_leader l \
+         JOIN pg_stat_activity a ON a.pid = l.holder_pid \
+             AND a.backend_start IS NOT DISTINCT FROM l.holder_backend_start \
+         WHERE l.name = $1 AND l.holder <> $2 AND l.expires_ms < {DB_NOW_MS}"
     )
 });
 
@@ -680,6 +700,9 @@ static RENEW_LEASE: LazyLock<String> = LazyLock::new(|| {
          WHERE name = $1 AND holder = $2 AND term = $4"
     )
 });
+
+/// PostgreSQL's `lock_not_available` (a `lock_timeout` ran out).
+const LOCK_TIMEOUT: &str = "55P03";
 
 /// A term of leadership on PostgreSQL.
 pub struct Term {
@@ -1027,22 +1050,38 @@ impl TaskStore {
                     Some(conn) => conn,
                     None => {
                         let mut conn = pool.acquire().await?.detach();
-                        let idle_ms = (millis(lease.duration) / 2).max(1);
-                        sqlx::query(sqlx::AssertSqlSafe(format!(
-                            "SET idle_in_transaction_session_timeout = {idle_ms}"
-                        )))
-                        .execute(&mut conn)
-                        .await?;
+                        // A transaction left idle for half a lease (a frozen leader) ends,
+                        // and a standby waits at most that long for a lock.
+                        let half = (millis(lease.duration) / 2).max(1);
+                        for setting in ["idle_in_transaction_session_timeout", "lock_timeout"] {
+                            sqlx::query(sqlx::AssertSqlSafe(format!("SET {setting} = {half}")))
+                                .execute(&mut conn)
+                                .await?;
+                        }
                         conn
                     }
                 };
+                sqlx::query(sqlx::AssertSqlSafe(END_EXPIRED_HOLDER.as_str()))
+                    .bind(&lease.name)
+                    .bind(&lease.holder)
+                    .execute(&mut conn)
+                    .await?;
                 let started = std::time::Instant::now();
-                let term: Option<(i64,)> = sqlx::query_as(sqlx::AssertSqlSafe(TAKE_LEASE.as_str()))
+                let taken = sqlx::query_as(sqlx::AssertSqlSafe(TAKE_LEASE.as_str()))
                     .bind(&lease.name)
                     .bind(&lease.holder)
                     .bind(millis(lease.duration))
                     .fetch_optional(&mut conn)
-                    .await?;
+                    .await;
+                let term: Option<(i64,)> = match taken {
+                    Ok(term) => term,
+                    // The old holder's session still holds the row (it is being ended): taken
+                    // at a later try.
+                    Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_TIMEOUT) => {
+                        None
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 match term {
                     Some((term,)) => Some(Writer::Pg {
                         conn,

@@ -400,7 +400,14 @@ async fn only_one_replica_leads_on_postgres() {
         .write(&pending.batch)
         .await
         .expect_err("the old term writes nothing");
-    assert!(matches!(refused, StoreError::LeaseLost { .. }), "{refused}");
+    // Fenced by the lease, or its session already ended by the standby that took over.
+    assert!(
+        matches!(
+            refused,
+            StoreError::LeaseLost { .. } | StoreError::Database(_)
+        ),
+        "{refused}"
+    );
     assert!(store.get("fenced").await.expect("reads").is_none());
     taken
         .write(&pending.batch)
@@ -421,6 +428,54 @@ async fn only_one_replica_leads_on_postgres() {
         "resigned: taken at the first try"
     );
     drop(leader);
+    database.close().await;
+    db.cleanup().await;
+}
+
+/// A leader frozen in the middle of a transaction keeps the lease row locked (PostgreSQL's
+/// idle-in-transaction timeout does not cover a half-sent statement). A standby ends that
+/// database session once the lease ran out, and takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_leader_frozen_mid_transaction() {
+    use sqlx::Connection;
+    let db = TestDatabase::postgres().await.expect("a test database");
+    let database = db.connect().await.expect("connects");
+    database.migrate().await.expect("migrates");
+    let store = TaskStore::new(database.clone());
+    let short = Duration::from_millis(1500);
+    let mut a_spare = None;
+    let leader = store
+        .try_lead(&lease("a", short), &mut a_spare)
+        .await
+        .expect("the database answers")
+        .expect("nobody leads yet");
+    // The frozen leader, as the database sees it: a session of the lease's holder with the
+    // row locked in an open transaction, which never sends anything again.
+    let aip_store::Database::Postgres(pool) = &database else {
+        unreachable!("a PostgreSQL database")
+    };
+    let mut frozen = pool.acquire().await.expect("a connection").detach();
+    sqlx::query(
+        "UPDATE session_leader SET holder_pid = pg_backend_pid(), \
+         holder_backend_start = (SELECT backend_start FROM pg_stat_activity \
+             WHERE pid = pg_backend_pid()) WHERE name = 'store-suite'",
+    )
+    .execute(&mut frozen)
+    .await
+    .expect("the frozen session holds the lease");
+    let mut tx = frozen.begin().await.expect("begins");
+    sqlx::query("UPDATE session_leader SET expires_ms = expires_ms WHERE name = 'store-suite'")
+        .execute(&mut *tx)
+        .await
+        .expect("locks the row");
+    let mut spare = None;
+    let taken = lead_within(&store, &lease("b", short), &mut spare, Duration::from_secs(10)).await;
+    assert!(taken.is_some(), "the standby ended the frozen session and leads");
+    assert!(
+        sqlx::query("SELECT 1").execute(&mut *tx).await.is_err(),
+        "the frozen session was ended"
+    );
+    drop((leader, taken, tx));
     database.close().await;
     db.cleanup().await;
 }
