@@ -701,6 +701,9 @@ static RENEW_LEASE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The longest the leader's connection waits for a lock.
+const MAX_LOCK_WAIT_MS: i64 = 1_000;
+
 /// PostgreSQL's `lock_not_available` (a `lock_timeout` ran out).
 const LOCK_TIMEOUT: &str = "55P03";
 
@@ -1051,10 +1054,15 @@ impl TaskStore {
                     None => {
                         let mut conn = pool.acquire().await?.detach();
                         // A transaction left idle for half a lease (a frozen leader) ends,
-                        // and a standby waits at most that long for a lock.
+                        // and no statement waits long for a lock: only the leader writes
+                        // these tables, so a lock held for long is a frozen old leader's.
                         let half = (millis(lease.duration) / 2).max(1);
-                        for setting in ["idle_in_transaction_session_timeout", "lock_timeout"] {
-                            sqlx::query(sqlx::AssertSqlSafe(format!("SET {setting} = {half}")))
+                        let settings = [
+                            ("idle_in_transaction_session_timeout", half),
+                            ("lock_timeout", half.min(MAX_LOCK_WAIT_MS)),
+                        ];
+                        for (setting, ms) in settings {
+                            sqlx::query(sqlx::AssertSqlSafe(format!("SET {setting} = {ms}")))
                                 .execute(&mut conn)
                                 .await?;
                         }
