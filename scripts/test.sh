@@ -7,6 +7,9 @@
 #   3. scripts/schemathesis.sh: schemathesis against both services' REST APIs, 0 failures
 #   4. validates proto-schemas/asyncapi.json with the AsyncAPI parser
 #      (scripts/validate-asyncapi, installed with `npm ci` on first use)
+#   5. bench/faults/ci.sh: the fault harness at CI scale (throwaway nats-server and PostgreSQL
+#      cluster; kills, restarts and freezes each component), every row clean. Needs root
+#      (initdb runs as `postgres`); AIP_FAULTS=0 skips it.
 #
 # Environment (defaults are used only when the variable is unset):
 #   NATS_URL       nats://127.0.0.1:4222
@@ -68,6 +71,17 @@ done
 step "cargo test${scope[*]:+ ${scope[*]}} --locked $*"
 printf 'NATS_URL=%s DATABASE_URL=%s SQLX_OFFLINE=%s\n' "$NATS_URL" "$DATABASE_URL" "$SQLX_OFFLINE"
 cargo test "${scope[@]}" --locked "$@"
+
+step "fault harness at CI scale (bench/faults/ci.sh)"
+if [[ "${AIP_FAULTS:-1}" == 0 ]]; then
+  echo "skipped: AIP_FAULTS=0"
+elif [[ "$(id -u)" -ne 0 ]]; then
+  die "the fault harness needs root (initdb runs as postgres through runuser)." \
+    "Run as root, or set AIP_FAULTS=0 to skip it."
+else
+  cargo build --locked -p aip-gateway -p aip-registry -p aip-sessions
+  bench/faults/ci.sh
+fi
 
 step "REST fuzzing: schemathesis against the session service and the registry"
 scripts/schemathesis.sh
