@@ -1,7 +1,7 @@
 //! Everything the services decode from bus messages, fed the same bytes.
 //!
 //! - the session service: `GatewayEvent` from the frames stream, `TaskRequest` on
-//!   `sessions.submit`, the planner's `Reply<PlanStep>`;
+//!   `sessions.submit`, the planner's `Reply<PlanStep>`, gateways' `DeliveryAck`s;
 //! - the registry: its requests (read like `bus_api::parse`, with the field path) and
 //!   `PresenceBatch`;
 //! - the registry client (gateway, sessions): the registry's replies;
@@ -18,10 +18,10 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use proto_schemas::flow::TaskRequest;
 use proto_schemas::registry::{
-    AgentRecord, GetAgent, LookupAgents, PresenceBatch, RegisterAgent, Registered, Reply,
-    UnregisterAgent, Unregistered,
+    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, LookupAgents, PresenceBatch,
+    RegisterAgent, Registered, Reply, UnregisterAgent, Unregistered,
 };
-use proto_schemas::sessions::{GatewayEvent, PlanStep};
+use proto_schemas::sessions::{DeliveryAck, GatewayEvent, PlanStep};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -59,6 +59,9 @@ fuzz_target!(|data: &[u8]| {
     round_trip::<TaskRequest>(data);
     round_trip::<Reply<PlanStep>>(data);
     round_trip::<PresenceBatch>(data);
+    round_trip::<DeliveryAck>(data);
+    round_trip::<GatewayStarted>(data);
+    round_trip::<Reply<GatewayStartedAck>>(data);
     round_trip::<RegisterAgent>(data);
     round_trip::<UnregisterAgent>(data);
     round_trip::<GetAgent>(data);
@@ -71,6 +74,7 @@ fuzz_target!(|data: &[u8]| {
     registry_request::<UnregisterAgent>(data);
     registry_request::<GetAgent>(data);
     registry_request::<LookupAgents>(data);
+    registry_request::<GatewayStarted>(data);
 
     // A header value is text; resolving it against a bus that holds no blob must fail cleanly.
     if let Ok(text) = std::str::from_utf8(data) {
