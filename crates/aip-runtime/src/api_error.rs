@@ -7,14 +7,17 @@
 //! saying what to do, never with its internals.
 //!
 //! axum's own extractors refuse in plain text; [`JsonBody`], [`Query`] and [`Path`] refuse
-//! with an [`ApiError`] instead, so a client reads one body shape whatever went wrong.
+//! with an [`ApiError`] instead, so a client reads one body shape whatever went wrong. For the
+//! same reason every service's router answers a path it does not serve with [`no_such_path`]
+//! and a method a route does not answer with [`method_not_allowed`] (axum's own answers have
+//! no body).
 //! [`document`] adds to a service's generated OpenAPI document the API-key schemes and the
 //! refusals that every route can give (401, and 400/415 for input it cannot read).
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, OptionalFromRequest, Request};
 use axum::http::request::Parts;
-use axum::http::{StatusCode, header};
+use axum::http::{Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use proto_schemas::{ErrorBody, ErrorCode};
 use serde::de::DeserializeOwned;
@@ -28,7 +31,8 @@ pub enum ApiError {
     #[error("{0}")]
     Refused(ErrorBody),
     /// Refused with another status than the code's: 415 for a body that is not JSON, UFO's
-    /// 422 for a dispatch body that is not an object. No [`ErrorCode`] names these cases.
+    /// 422 for a dispatch body that is not an object, 405 for a method a route does not
+    /// answer. No [`ErrorCode`] names these cases.
     #[error("{1}")]
     WithStatus(StatusCode, ErrorBody),
     /// The service failed (its database, a bug): `public` is answered, `source` is logged.
@@ -89,6 +93,23 @@ impl ApiError {
             other => status_of(other.code()),
         }
     }
+}
+
+/// The fallback of a service's router: 404 `NOT_FOUND` naming the path.
+pub async fn no_such_path(uri: Uri) -> ApiError {
+    ApiError::not_found(format!("no such path: {}", uri.path()))
+}
+
+/// The answer to a method a route does not answer: 405 `INVALID_REQUEST` (axum adds the
+/// `Allow` header).
+pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::WithStatus(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ErrorBody::new(
+            ErrorCode::InvalidRequest,
+            format!("{method} is not allowed on {}", uri.path()),
+        ),
+    )
 }
 
 /// The status of `code` in REST answers.

@@ -181,19 +181,49 @@ async fn serve<Req, Resp, F, Fut>(
 
 /// Parses a request, or the error that says what is wrong with it.
 fn parse<Req: DeserializeOwned>(name: &str, payload: &[u8]) -> Result<Req, ErrorBody> {
-    let mut deserializer = serde_json::Deserializer::from_slice(payload);
-    serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let at = if path == "." {
-            String::new()
-        } else {
-            format!(" at `{path}`")
-        };
+    read_payload(payload).map_err(|e| {
         ErrorBody::new(
             ErrorCode::InvalidRequest,
-            format!("invalid {name} request{at}: {}", e.into_inner()),
+            format!("invalid {name} request{e}"),
         )
     })
+}
+
+/// A payload as `T`, its text made storable first: a NUL (U+0000) in any string or key becomes
+/// U+FFFD, as the session service stores it. PostgreSQL cannot hold NUL, so an id or a JSON
+/// field with one would otherwise fail its statement (and a presence batch with one, every
+/// later presence flush) on PostgreSQL only.
+pub(crate) fn read_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, PayloadError> {
+    let mut value: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|e| PayloadError {
+            path: String::new(),
+            error: e,
+        })?;
+    aip_store::text::storable(&mut value);
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        PayloadError {
+            path: if path == "." { String::new() } else { path },
+            error: e.into_inner(),
+        }
+    })
+}
+
+/// Why a payload is not the expected JSON; shown as ` at `path`: error` (or `: error`).
+#[derive(Debug)]
+pub(crate) struct PayloadError {
+    /// Where in the payload (empty: the payload itself).
+    path: String,
+    error: serde_json::Error,
+}
+
+impl std::fmt::Display for PayloadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if !self.path.is_empty() {
+            write!(f, " at `{}`", self.path)?;
+        }
+        write!(f, ": {}", self.error)
+    }
 }
 
 /// What a request gets when its reply cannot be encoded: a fixed `Reply::Error`, written out so
@@ -227,6 +257,26 @@ pub(crate) async fn reply<T: Serialize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn payloads_are_read_with_nul_as_the_replacement_character() {
+        let get: proto_schemas::registry::GetAgent =
+            read_payload(br#"{"version": 1, "agent_id": "a\u0000b"}"#).expect("valid");
+        assert_eq!(get.agent_id, "a\u{FFFD}b");
+        let refusal =
+            parse::<proto_schemas::registry::GetAgent>("registry.get", b"{\"version\": 2}")
+                .expect_err("version 2");
+        assert_eq!(
+            refusal.detail,
+            "invalid registry.get request at `version`: unsupported payload version 2; this build speaks version 1"
+        );
+        let refusal =
+            parse::<proto_schemas::registry::GetAgent>("registry.get", b"[").expect_err("not JSON");
+        assert_eq!(
+            refusal.detail,
+            "invalid registry.get request: EOF while parsing a list at line 1 column 1"
+        );
+    }
 
     #[test]
     fn the_fixed_reply_is_a_reply_error_with_the_internal_code() {

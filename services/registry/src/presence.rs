@@ -120,10 +120,10 @@ pub async fn listen(
 }
 
 fn take(buffer: &PresenceBuffer, message: &aip_bus::Message) {
-    match serde_json::from_slice::<PresenceBatch>(&message.payload) {
+    match crate::bus_api::read_payload::<PresenceBatch>(&message.payload) {
         Ok(batch) => buffer.add(batch),
         Err(e) => {
-            tracing::warn!(subject = %message.subject, "ignoring an invalid presence batch: {e}")
+            tracing::warn!(subject = %message.subject, "ignoring an invalid presence batch{e}")
         }
     }
 }

@@ -12,7 +12,7 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use aip_runtime::api_error::{ApiError, JsonBody, Path, Query};
+use aip_runtime::api_error::{self, ApiError, JsonBody, Path, Query};
 use aip_runtime::api_keys::{self, ApiKeys};
 use aip_runtime::health::{self, Check, CheckName, Probes, Readiness, Role};
 use axum::extract::State;
@@ -82,6 +82,8 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
         .route("/openapi.json", get(move || async move { Json(document) }))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(ready))
+        .method_not_allowed_fallback(api_error::method_not_allowed)
+        .fallback(api_error::no_such_path)
         .with_state(engine)
 }
 

@@ -523,23 +523,22 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
         let Some(message) = message else { return };
         let engine = engine.clone();
         tracker.spawn(async move {
-            let reply: Reply<TaskAccepted> =
-                match serde_json::from_slice::<TaskRequest>(&message.payload) {
-                    Ok(request) => match new_task_from_request(request, Requester::Nats) {
-                        Ok(new) => match engine.submit(new).await {
-                            Ok(started) => Reply::Ok(accepted(&started.task)),
-                            Err(EngineError::Refused(body)) => Reply::Error(body),
-                            Err(EngineError::Store(e)) => {
-                                Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
-                            }
-                        },
-                        Err(body) => Reply::Error(body),
+            let reply: Reply<TaskAccepted> = match read_submission(&message.payload) {
+                Ok(request) => match new_task_from_request(request, Requester::Nats) {
+                    Ok(new) => match engine.submit(new).await {
+                        Ok(started) => Reply::Ok(accepted(&started.task)),
+                        Err(EngineError::Refused(body)) => Reply::Error(body),
+                        Err(EngineError::Store(e)) => {
+                            Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
+                        }
                     },
-                    Err(e) => Reply::Error(ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!("not a TaskRequest: {e}"),
-                    )),
-                };
+                    Err(body) => Reply::Error(body),
+                },
+                Err(e) => Reply::Error(ErrorBody::new(
+                    ErrorCode::InvalidRequest,
+                    format!("not a TaskRequest: {e}"),
+                )),
+            };
             let mut headers = Headers::new();
             if let Reply::Error(body) = &reply {
                 headers.insert(names::ERROR_CODE, body.error_code.as_str());
@@ -558,6 +557,15 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
             }
         });
     }
+}
+
+/// A `sessions.submit` payload as a [`TaskRequest`], its text made storable as REST's is
+/// (a NUL, which PostgreSQL cannot hold, becomes U+FFFD; a `task_id` with one would otherwise
+/// fail the whole batch of changes it is written in).
+fn read_submission(payload: &[u8]) -> Result<TaskRequest, serde_json::Error> {
+    let mut value: serde_json::Value = serde_json::from_slice(payload)?;
+    crate::store::storable(&mut value);
+    serde_json::from_value(value)
 }
 
 /// The reply to an accepted submission.

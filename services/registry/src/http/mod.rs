@@ -18,7 +18,6 @@ pub mod health;
 
 use std::sync::Arc;
 
-use axum::http::Uri;
 use axum::routing::get;
 use axum::{Json, Router};
 use proto_schemas::ErrorBody;
@@ -30,6 +29,7 @@ use utoipa_axum::routes;
 
 use self::error::ApiError;
 use crate::store::AgentStore;
+use aip_runtime::api_error;
 use aip_runtime::api_keys::{self, ApiKeys};
 
 /// What handlers share.
@@ -60,7 +60,8 @@ pub fn router(state: AppState, keys: ApiKeys) -> Router {
     Router::new()
         .nest("/api", api)
         .route("/openapi.json", get(move || async move { Json(document) }))
-        .fallback(not_found)
+        .method_not_allowed_fallback(api_error::method_not_allowed)
+        .fallback(api_error::no_such_path)
         .with_state(state)
         .layer(TraceLayer::new_for_http())
 }
@@ -167,8 +168,4 @@ async fn ufo_health(
     state: axum::extract::State<AppState>,
 ) -> Result<Json<health::Health>, ApiError> {
     health::health(state).await
-}
-
-async fn not_found(uri: Uri) -> ApiError {
-    ApiError::not_found(format!("no such path: {}", uri.path()))
 }
