@@ -48,13 +48,18 @@ SCALES = {
                   env={"AIP_REGISTRY__LIVENESS_MS": "6000"}),
 }
 FAULTS = ["none", "sessions-kill", "postgres-stop", "gateway-kill", "gateway-kill-new-id",
-          "nats-kill", "registry-kill", "sessions-sigstop", "partition"]
+          "nats-kill", "registry-kill", "sessions-sigstop", "partition", "disk-full",
+          "db-connections"]
 # How long fresh tasks have to complete after settling.
 AFTERWARDS_SECS = {"full": 30, "small": 15}
 # How long the frozen session leader stays frozen: longer than any lease or redelivery timer.
 FREEZE_SECS = {"full": 15, "small": 6}
 # How long the gateway stays cut off from NATS in the partition fault.
 PARTITION_SECS = {"full": 15, "small": 6}
+# How long PostgreSQL's disk stays full, and its connections taken, in those faults.
+DB_FAULT_SECS = {"full": 10, "small": 5}
+# The size of the filesystem PostgreSQL's data directory lives on in the disk-full fault.
+PG_DISK = "1g"
 
 
 def free_port():
@@ -142,6 +147,8 @@ class Cluster:
         self.nats_port = free_port()
         self.nats_host = "127.0.0.1"
         self.procs = {}
+        self.pg_mounted = False
+        self.hogs = []
         self.netns = None
         self.gw_host = {"a": "127.0.0.1", "b": "127.0.0.1"}
 
@@ -165,6 +172,11 @@ class Cluster:
     def start_infra(self):
         os.chmod(self.dir, 0o755)
         os.makedirs(self.pg_dir)
+        if self.fault == "disk-full":
+            # A filesystem of its own, which the fault fills up.
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={PG_DISK},mode=0700", "tmpfs",
+                            self.pg_dir], check=True, capture_output=True)
+            self.pg_mounted = True
         shutil.chown(self.pg_dir, "postgres", "postgres")
         shutil.chown(self.logs, "postgres", "postgres")
         os.chmod(self.logs, 0o777)
@@ -218,6 +230,45 @@ class Cluster:
         # `ip route` blackhole of the NATS address inside the namespace: no iptables here.
         subprocess.run(["ip", "netns", "exec", self.netns, "ip", "route", action, "blackhole",
                         f"{self.nats_ip}/32"], check=True, capture_output=True)
+
+    # --- database faults ---------------------------------------------------------------
+    def fill_disk(self):
+        """Fills the filesystem of PostgreSQL's data directory: its next WAL write fails."""
+        filler = os.path.join(self.pg_dir, "filler")
+        free = shutil.disk_usage(self.pg_dir).free
+        subprocess.run(["fallocate", "-l", str(free), filler], capture_output=True)
+        # What fallocate left (tmpfs rounds to pages) goes too.
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k", "oflag=append",
+                        "conv=notrunc", "status=none"], capture_output=True)
+        return shutil.disk_usage(self.pg_dir).free
+
+    def free_disk(self):
+        """Frees the space again, and starts PostgreSQL if the full disk stopped it."""
+        os.remove(os.path.join(self.pg_dir, "filler"))
+        running = self.pg_ctl("status", check=False).returncode == 0
+        if not running:
+            self.pg_start()
+        return running
+
+    def take_connections(self, secs):
+        """Opens connections until PostgreSQL refuses more (superuser slots included), each
+        holding its slot for `secs`; returns how many it holds."""
+        for _ in range(400):
+            hog = subprocess.Popen(["psql", "-h", self.pg_dir, "-p", str(self.pg_port), "-U", "postgres",
+                                    "-d", "postgres", "-Atc", f"SELECT pg_sleep({secs})"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.05)
+            if hog.poll() is not None:
+                break
+            self.hogs.append(hog)
+        return len(self.hogs)
+
+    def release_connections(self):
+        for hog in self.hogs:
+            hog.terminate()
+        for hog in self.hogs:
+            hog.wait()
+        self.hogs = []
 
     def teardown_netns(self):
         if self.netns:
@@ -307,8 +358,11 @@ class Cluster:
                 self.procs[name].stop()
         if "nats" in self.procs:
             self.procs["nats"].stop()
+        self.release_connections()
         if os.path.exists(os.path.join(self.pg_dir, "postmaster.pid")):
             self.pg_ctl("-m", "fast", "stop", check=False)
+        if self.pg_mounted:
+            subprocess.run(["umount", "-l", self.pg_dir], capture_output=True)
         self.teardown_netns()
 
 
@@ -363,6 +417,18 @@ async def inject(cluster, fault, scale, events):
         await asyncio.sleep(3)
         await loop.run_in_executor(None, cluster.pg_start)
         note("PostgreSQL started")
+    elif fault == "disk-full":
+        left = await loop.run_in_executor(None, cluster.fill_disk)
+        note(f"PostgreSQL's disk full ({left} bytes left)")
+        await asyncio.sleep(DB_FAULT_SECS[scale])
+        survived = await loop.run_in_executor(None, cluster.free_disk)
+        note("disk space freed; PostgreSQL " + ("kept running" if survived else "had stopped: started again"))
+    elif fault == "db-connections":
+        held = await loop.run_in_executor(None, cluster.take_connections, DB_FAULT_SECS[scale] + 5)
+        note(f"PostgreSQL's connections taken ({held} held; new connections refused)")
+        await asyncio.sleep(DB_FAULT_SECS[scale])
+        await loop.run_in_executor(None, cluster.release_connections)
+        note("connections released")
     elif fault == "sessions-sigstop":
         leader = await loop.run_in_executor(None, cluster.sessions_leader)
         proc = cluster.procs[leader]
