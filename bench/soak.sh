@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The soak (issue 14): the distributed broker under a steady task load for a long time, on
-# this machine's NATS and PostgreSQL (over TCP), with every process's RSS sampled.
+# this machine's NATS and PostgreSQL (or, with --own-postgres, a throwaway PostgreSQL cluster
+# with the server's default settings), with every process's RSS sampled.
 #
 # Starts the release aip-registry, aip-sessions and one aip-gateway on a fresh database and
 # subject prefix (as bench/distributed.sh does), finds the closed-loop peak of
@@ -10,7 +11,12 @@
 # and CPU time of each broker process. At the end bench/soak_report.py writes the table, the
 # verdict (RSS flat within 10 %, latency percentiles stable) and a plot.
 #
-# Usage: bench/soak.sh [--duration SECS] [--window SECS]     (defaults 3600 and 60)
+# Usage: bench/soak.sh [--duration SECS] [--window SECS] [--own-postgres]
+#        (defaults 3600 and 60). --own-postgres (root): `initdb` a cluster in a temporary
+#        directory, as PostgreSQL ships it (autovacuum on, fsync on), reached over its Unix
+#        socket. Use it where the machine's server runs without autovacuum (this machine's CI
+#        configuration does): without ANALYZE, plans cached while the tables were empty
+#        scan the whole tasks table, and the rate falls by half within ten minutes.
 # Results: bench/results/soak-<time>/ (windows.jsonl, rss.jsonl, soak.md, soak.png, logs/).
 # Needs: cargo build --release -p aip -p aip-gateway -p aip-registry -p aip-sessions;
 #        python3 with matplotlib for the plot (pip install matplotlib).
@@ -20,10 +26,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 DURATION=3600
 WINDOW=60
+OWN_POSTGRES=0
 while (($#)); do
   case "$1" in
     --duration) DURATION="${2:-}"; shift 2 ;;
     --window) WINDOW="${2:-}"; shift 2 ;;
+    --own-postgres) OWN_POSTGRES=1; shift ;;
     -h | --help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "soak.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -33,12 +41,29 @@ done
 
 bench_init
 require_bins aip aip-gateway aip-registry aip-sessions
-check_infra
-
 DIR="$BENCH_RESULTS_DIR/soak-$(date +%Y%m%dT%H%M%S)"
 mkdir -p "$DIR/logs"
+
+if [[ "$OWN_POSTGRES" == 1 ]]; then
+  [[ "$(id -u)" -eq 0 ]] || die "--own-postgres needs root (initdb runs as postgres)"
+  PG_BIN="${PG_BIN:-/usr/lib/postgresql/15/bin}"
+  make_tmpdir
+  chmod 755 "$BENCH_TMPDIR"
+  pg_dir="$BENCH_TMPDIR/pg"
+  mkdir "$pg_dir" && chown postgres:postgres "$pg_dir"
+  runuser -u postgres -- "$PG_BIN/initdb" -D "$pg_dir" -A trust -U postgres >"$DIR/logs/initdb.log" 2>&1 ||
+    die "initdb failed; see $DIR/logs/initdb.log"
+  BENCH_PG_PORT="$(free_port)" BENCH_PG_HOST="$pg_dir" BENCH_PG_SOCKET_DIR="$pg_dir"
+  start_proc postgres "$DIR/logs/postgres.log" runuser -u postgres -- "$PG_BIN/postgres" \
+    -D "$pg_dir" -p "$BENCH_PG_PORT" -k "$pg_dir" -c listen_addresses=''
+  for _ in $(seq 100); do psql_admin -tAc 'SELECT 1' >/dev/null 2>&1 && break; sleep 0.1; done
+  log "own PostgreSQL cluster in $pg_dir, port $BENCH_PG_PORT (server defaults)"
+fi
+check_infra
 record_machine "$DIR" infra
 pg_create_db soak
+# The throwaway cluster goes with its directory; there is nothing to drop.
+if [[ "$OWN_POSTGRES" == 1 ]]; then BENCH_DATABASES=(); fi
 new_prefix
 log "soak: database $BENCH_DB, subject prefix $BENCH_PREFIX, $DURATION s in windows of $WINDOW s"
 
@@ -88,11 +113,14 @@ for clients in 2 4 8 16 32; do
     best_clients="$clients" best_gap="$gap"
   fi
 done
-python3 - "$DIR/run.json" "$peak" "$best_clients" "$DURATION" "$WINDOW" "${NAMES[@]}" <<'PY'
+AUTOVACUUM="$(psql_admin -tAc 'SHOW autovacuum')"
+python3 - "$DIR/run.json" "$peak" "$best_clients" "$DURATION" "$WINDOW" "$AUTOVACUUM" \
+  "$(pg_url "$BENCH_DB")" "${NAMES[@]}" <<'PY'
 import json, sys
-out, peak, clients, duration, window, *names = sys.argv[1:]
+out, peak, clients, duration, window, autovacuum, url, *names = sys.argv[1:]
 json.dump({"peak_tasks_per_sec": float(peak), "clients": int(clients),
-           "duration_secs": int(duration), "window_secs": int(window), "processes": names},
+           "duration_secs": int(duration), "window_secs": int(window), "processes": names,
+           "postgres": {"url": url, "autovacuum": autovacuum}},
           open(out, "w"), indent=2)
 PY
 log "soak: $best_clients constellations (peak $peak tasks/s), for $DURATION s"
