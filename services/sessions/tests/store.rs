@@ -469,8 +469,17 @@ async fn a_standby_takes_over_from_a_leader_frozen_mid_transaction() {
         .await
         .expect("locks the row");
     let mut spare = None;
-    let taken = lead_within(&store, &lease("b", short), &mut spare, Duration::from_secs(10)).await;
-    assert!(taken.is_some(), "the standby ended the frozen session and leads");
+    let taken = lead_within(
+        &store,
+        &lease("b", short),
+        &mut spare,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        taken.is_some(),
+        "the standby ended the frozen session and leads"
+    );
     assert!(
         sqlx::query("SELECT 1").execute(&mut *tx).await.is_err(),
         "the frozen session was ended"
