@@ -58,7 +58,28 @@ fn convert(message: async_nats::Message) -> Message {
     }
 }
 
+/// A JetStream failure about `stream`.
+fn stream_error(
+    operation: &'static str,
+    stream: &str,
+    source: Box<dyn std::error::Error + Send + Sync>,
+) -> BusError {
+    BusError::Nats {
+        operation,
+        subject: stream.to_owned(),
+        source,
+    }
+}
+
 impl NatsBus {
+    /// A stream's handle.
+    async fn stream(&self, stream: &str) -> Result<jetstream::stream::Stream, BusError> {
+        self.jetstream
+            .get_stream(stream)
+            .await
+            .map_err(|e| stream_error("get stream", stream, Box::new(e)))
+    }
+
     /// Refuses a payload the server would not take (its `max_payload`), with the sizes.
     fn check_size(&self, payload: &Bytes) -> Result<(), BusError> {
         let limit = self.client.server_info().max_payload;
@@ -240,18 +261,8 @@ impl Bus for NatsBus {
         max_in_flight: usize,
     ) -> BoxFuture<'_, Result<DurableSubscription, BusError>> {
         async move {
-            let wrap = |operation: &'static str, e: Box<dyn std::error::Error + Send + Sync>| {
-                BusError::Nats {
-                    operation,
-                    subject: stream.clone(),
-                    source: e,
-                }
-            };
-            let handle = self
-                .jetstream
-                .get_stream(&stream)
-                .await
-                .map_err(|e| wrap("get stream", Box::new(e)))?;
+            let wrap = |operation, e| stream_error(operation, &stream, e);
+            let handle = self.stream(&stream).await?;
             let config = jetstream::consumer::pull::Config {
                 durable_name: Some(consumer.clone()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
@@ -301,18 +312,8 @@ impl Bus for NatsBus {
         consumer: String,
     ) -> BoxFuture<'_, Result<u64, BusError>> {
         async move {
-            let wrap = |operation: &'static str, e: Box<dyn std::error::Error + Send + Sync>| {
-                BusError::Nats {
-                    operation,
-                    subject: stream.clone(),
-                    source: e,
-                }
-            };
-            let handle = self
-                .jetstream
-                .get_stream(&stream)
-                .await
-                .map_err(|e| wrap("get stream", Box::new(e)))?;
+            let wrap = |operation, e| stream_error(operation, &stream, e);
+            let handle = self.stream(&stream).await?;
             let info = match handle.consumer_info(&consumer).await {
                 Ok(info) => info,
                 Err(e) if e.to_string().contains("not found") => return Ok(0),
