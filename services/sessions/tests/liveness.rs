@@ -80,24 +80,8 @@ async fn a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires(backe
     .expect("stack");
     // A device registered through a gateway that has never reported presence and never
     // will: what the registry holds of a gateway killed with `kill -9`.
-    let subjects = Subjects::new(&stack.prefix).expect("prefix");
-    let registry = RegistryClient::new(stack.bus.clone(), subjects, Duration::from_secs(5));
-    registry
-        .register(&RegisterAgent {
-            version: V1,
-            agent_id: "orphan".to_owned(),
-            client_type: ClientType::Device,
-            gateway_id: "gw-killed".to_owned(),
-            connection_id: "gw-killed:1".to_owned(),
-            principal: "test".to_owned(),
-            platform: Platform::Linux,
-            target_id: None,
-            capabilities: Vec::new(),
-            tools: Vec::new(),
-            system_info: None,
-            metadata: None,
-            extensions: Vec::new(),
-        })
+    registry_of(&stack)
+        .register(&device("orphan", "gw-killed", "gw-killed:1", "test"))
         .await
         .expect("registered");
 
