@@ -20,6 +20,7 @@ pub mod machine;
 pub mod settings;
 pub mod store;
 pub mod task;
+pub mod tombstones;
 pub mod workers;
 
 use std::net::SocketAddr;

@@ -12,7 +12,7 @@
 //! the remote planner, database reads for refusals) happens before or after.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use proto_schemas::registry::AgentRecord;
 use proto_schemas::server::{self, CommandTarget};
@@ -27,6 +27,7 @@ use crate::settings::SessionSettings;
 use crate::store::{Batch, NewEvent, OutFrame};
 use crate::task::{EventKind, ExecutorRef, InvalidTransition, Task, TaskError, Waiting, now_ms};
 pub use crate::task::{Plan, Requester};
+use crate::tombstones::{Owner, Tombstones};
 use crate::workers::PlannerError;
 
 /// Where a task should run.
@@ -148,36 +149,6 @@ pub struct Pending {
     ended: Vec<String>,
 }
 
-/// Ids of tasks that ended recently, kept a while after they leave memory so that a request
-/// prepared before their commit cannot reuse their id.
-#[derive(Debug, Default)]
-struct Tombstones {
-    owners: HashMap<String, String>,
-    order: VecDeque<(i64, String)>,
-}
-
-/// How long an ended task's id stays reserved in memory: longer than a request takes from
-/// its preparation (which read the database) to the leader.
-const TOMBSTONE_MS: i64 = 120_000;
-/// Bounds the tombstones' memory under a very high task rate.
-const TOMBSTONE_MAX: usize = 200_000;
-
-impl Tombstones {
-    fn add(&mut self, task_id: String, owner: String, now: i64) {
-        self.owners.insert(task_id.clone(), owner);
-        self.order.push_back((now, task_id));
-        while self
-            .order
-            .front()
-            .is_some_and(|(at, _)| *at < now - TOMBSTONE_MS || self.order.len() > TOMBSTONE_MAX)
-        {
-            if let Some((_, id)) = self.order.pop_front() {
-                self.owners.remove(&id);
-            }
-        }
-    }
-}
-
 /// The live state of the leader.
 pub struct Machine {
     settings: SessionSettings,
@@ -261,8 +232,7 @@ impl Machine {
             if self.tasks.get(id).is_some_and(|t| t.state().is_terminal())
                 && let Some(task) = self.tasks.remove(id)
             {
-                let owner = task.requester.id().to_owned();
-                self.tombstones.add(task.task_id, owner, now);
+                self.tombstones.add(&task.task_id, task.requester.id(), now);
             }
         }
     }
@@ -401,17 +371,23 @@ impl Machine {
             existing_owner,
         } = prepared;
         if let Some(task_id) = &new.task_id {
+            let requester = new.requester.id();
+            let same = |owner: &str| match owner == requester {
+                true => Owner::Same,
+                false => Owner::Other,
+            };
             let owner = self
                 .tasks
                 .get(task_id)
-                .map(|t| t.requester.id().to_owned())
-                .or_else(|| self.tombstones.owners.get(task_id).cloned())
-                .or(existing_owner);
+                .map(|t| same(t.requester.id()))
+                .or_else(|| self.tombstones.owner(task_id, requester))
+                .or_else(|| existing_owner.as_deref().map(same));
             if let Some(owner) = owner {
-                let detail = if owner == new.requester.id() {
-                    format!("session_id '{task_id}' is already in use by one of your tasks")
-                } else {
-                    format!("session_id '{task_id}' is owned by another client")
+                let detail = match owner {
+                    Owner::Same => {
+                        format!("session_id '{task_id}' is already in use by one of your tasks")
+                    }
+                    Owner::Other => format!("session_id '{task_id}' is owned by another client"),
                 };
                 let body = ErrorBody::new(ErrorCode::Conflict, detail);
                 return Err(match msg_id {
