@@ -218,11 +218,10 @@ pg_create_db() {
   log "created database $BENCH_DB"
 }
 
-# pg_url DB: the services' database URL. With PostgreSQL on this machine the Unix socket is
-# used (BENCH_PG_SOCKET_DIR, default /var/run/postgresql; set it empty for TCP): sqlx 0.9.0
-# leaves Nagle's algorithm on for TCP (sqlx issue #4335), and a statement larger than one
-# segment then waits up to 40 ms for a delayed ACK. docs/benchmarks.md has the figures.
-BENCH_PG_SOCKET_DIR="${BENCH_PG_SOCKET_DIR-/var/run/postgresql}"
+# pg_url DB: the services' database URL: TCP, the path compose and Kubernetes use. Set
+# BENCH_PG_SOCKET_DIR (e.g. /var/run/postgresql) to use PostgreSQL's Unix socket there instead,
+# to compare the two (they should run at the same speed; docs/benchmarks.md).
+BENCH_PG_SOCKET_DIR="${BENCH_PG_SOCKET_DIR-}"
 pg_url() {
   if [[ -n "$BENCH_PG_SOCKET_DIR" && -S "$BENCH_PG_SOCKET_DIR/.s.PGSQL.$BENCH_PG_PORT" ]]; then
     printf 'postgres://%s@localhost:%s/%s?host=%s\n' "$BENCH_PG_USER" "$BENCH_PG_PORT" "$1" "$BENCH_PG_SOCKET_DIR"

@@ -37,6 +37,8 @@ export NATS_URL="${NATS_URL:-nats://127.0.0.1:4222}"
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
 export SQLX_OFFLINE="${SQLX_OFFLINE:-true}"
 # No telemetry, update checks or ads from npm and its packages.
+# Tests hold thousands of sockets at once (services/gateway/tests/presence_scale.rs: 10,000).
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 export SCARF_ANALYTICS=false DO_NOT_TRACK=1 NO_UPDATE_NOTIFIER=1
 export npm_config_update_notifier=false npm_config_fund=false npm_config_audit=false
 

@@ -154,7 +154,11 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             takes over its own stale registration). A frame from the session service's outbox carries \
             `Nats-Msg-Id` and `Aip-Ack: <subject>`: the gateway answers on that subject once it wrote \
             the frame (a copy it already wrote is dropped and answered again), and the session \
-            service sends the frame again until it hears so.",
+            service sends the frame again until it hears so. A request with header \
+            `Aip-Control: device-info` (empty payload) is answered by the gateway holding a device, \
+            for a constellation on another gateway: the device's registered system information as \
+            JSON, or `Aip-Error-Code: DEVICE_NOT_FOUND` with the reason as text; nothing reaches \
+            the client.",
     },
     SubjectSpec {
         name: "sessions.acks",

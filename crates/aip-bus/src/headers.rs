@@ -10,8 +10,13 @@ pub mod names {
     pub const MSG_ID: &str = "Nats-Msg-Id";
     /// An [`proto_schemas::ErrorCode`] on error replies.
     pub const ERROR_CODE: &str = "Aip-Error-Code";
-    /// A control instruction on a delivery subject (`disconnect`).
+    /// A control instruction on a delivery subject (`disconnect`, or [`DEVICE_INFO`]).
     pub const CONTROL: &str = "Aip-Control";
+    /// [`CONTROL`] of a request on a device's delivery subject: the gateway holding the device
+    /// answers with the system information it registered with (the JSON as the payload), or
+    /// with [`ERROR_CODE`] `DEVICE_NOT_FOUND` and the reason as the payload. Nothing reaches
+    /// the device.
+    pub const DEVICE_INFO: &str = "device-info";
     /// The connection a control instruction is about.
     pub const CONNECTION: &str = "Aip-Connection";
     /// On a frame for a client: the subject its gateway answers once the frame is written to

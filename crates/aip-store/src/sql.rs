@@ -13,18 +13,18 @@
 //! Code that must differ by more than a fragment (PostgreSQL's multi-row statements over
 //! arrays, say) matches on [`Tx`] or [`Conn`] and uses sqlx directly.
 
-use std::sync::Arc;
+use std::borrow::Cow;
 
 use chrono::{DateTime, Utc};
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgArgumentBuffer, PgArguments, PgRow, PgTypeInfo, PgValueRef};
 use sqlx::sqlite::{
-    SqliteArguments, SqliteArgumentsBuffer, SqliteRow, SqliteTypeInfo, SqliteValueRef,
+    SqliteArgumentValue, SqliteArguments, SqliteRow, SqliteTypeInfo, SqliteValueRef,
 };
 use sqlx::{
-    AssertSqlSafe, Decode, Encode, FromRow, PgConnection, PgPool, Postgres, SqlStr, Sqlite,
-    SqliteConnection, SqlitePool, Type,
+    Decode, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection,
+    SqlitePool, Type,
 };
 
 use crate::{Backend, Database};
@@ -32,16 +32,16 @@ use crate::{Backend, Database};
 /// A statement's text for each database.
 #[derive(Debug, Clone)]
 pub struct Sql {
-    postgres: SqlStr,
-    sqlite: SqlStr,
+    postgres: Cow<'static, str>,
+    sqlite: Cow<'static, str>,
 }
 
 impl Sql {
     /// A statement both databases accept as written.
     pub const fn same(text: &'static str) -> Sql {
         Sql {
-            postgres: SqlStr::from_static(text),
-            sqlite: SqlStr::from_static(text),
+            postgres: Cow::Borrowed(text),
+            sqlite: Cow::Borrowed(text),
         }
     }
 
@@ -49,8 +49,8 @@ impl Sql {
     /// [`Backend`] covers.
     pub const fn each(postgres: &'static str, sqlite: &'static str) -> Sql {
         Sql {
-            postgres: SqlStr::from_static(postgres),
-            sqlite: SqlStr::from_static(sqlite),
+            postgres: Cow::Borrowed(postgres),
+            sqlite: Cow::Borrowed(sqlite),
         }
     }
 
@@ -58,21 +58,17 @@ impl Sql {
     /// to ask for its fragments. Rendered once: keep the result (e.g. in a `LazyLock`), so that
     /// every use has the same text and stays in the connections' prepared-statement caches.
     pub fn render(template: impl Fn(Backend) -> String) -> Sql {
-        let text = |backend| -> SqlStr {
-            let text: Arc<str> = template(backend).into();
-            sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(text))
-        };
         Sql {
-            postgres: text(Backend::Postgres),
-            sqlite: text(Backend::Sqlite),
+            postgres: Cow::Owned(template(Backend::Postgres)),
+            sqlite: Cow::Owned(template(Backend::Sqlite)),
         }
     }
 
     /// The text for `backend`.
     pub fn text(&self, backend: Backend) -> &str {
         match backend {
-            Backend::Postgres => self.postgres.as_str(),
-            Backend::Sqlite => self.sqlite.as_str(),
+            Backend::Postgres => &self.postgres,
+            Backend::Sqlite => &self.sqlite,
         }
     }
 }
@@ -187,16 +183,12 @@ impl<'c> Conn<'c> {
     }
 
     /// `sql` on this connection; add arguments with [`Query::bind`].
-    pub fn query(self, sql: &Sql) -> Query<'c> {
+    pub fn query(self, sql: &'c Sql) -> Query<'c> {
         match self {
-            Conn::Postgres(conn) => Query(On::Postgres(
-                Executor::Conn(conn),
-                sqlx::query(sql.postgres.clone()),
-            )),
-            Conn::Sqlite(conn) => Query(On::Sqlite(
-                Executor::Conn(conn),
-                sqlx::query(sql.sqlite.clone()),
-            )),
+            Conn::Postgres(conn) => {
+                Query(On::Postgres(Executor::Conn(conn), sqlx::query(&sql.postgres)))
+            }
+            Conn::Sqlite(conn) => Query(On::Sqlite(Executor::Conn(conn), sqlx::query(&sql.sqlite))),
         }
     }
 
@@ -242,7 +234,7 @@ impl Tx<'_> {
     }
 
     /// `sql` inside this transaction.
-    pub fn query(&mut self, sql: &Sql) -> Query<'_> {
+    pub fn query<'q>(&'q mut self, sql: &'q Sql) -> Query<'q> {
         self.conn().query(sql)
     }
 
@@ -257,16 +249,12 @@ impl Tx<'_> {
 
 impl Database {
     /// `sql` on a pooled connection; add arguments with [`Query::bind`].
-    pub fn query(&self, sql: &Sql) -> Query<'_> {
+    pub fn query<'q>(&'q self, sql: &'q Sql) -> Query<'q> {
         match self {
-            Database::Postgres(pool) => Query(On::Postgres(
-                Executor::Pool(pool),
-                sqlx::query(sql.postgres.clone()),
-            )),
-            Database::Sqlite(pool) => Query(On::Sqlite(
-                Executor::Pool(pool),
-                sqlx::query(sql.sqlite.clone()),
-            )),
+            Database::Postgres(pool) => {
+                Query(On::Postgres(Executor::Pool(pool), sqlx::query(&sql.postgres)))
+            }
+            Database::Sqlite(pool) => Query(On::Sqlite(Executor::Pool(pool), sqlx::query(&sql.sqlite))),
         }
     }
 
@@ -287,18 +275,19 @@ enum Executor<'e, Pool, Connection> {
     Conn(&'e mut Connection),
 }
 
-/// A statement with its arguments and where it runs, on either database.
-pub struct Query<'e>(On<'e>);
+/// A statement with its arguments and where it runs, on either database; `'q` is how long
+/// the executor, the statement's text and the arguments are borrowed.
+pub struct Query<'q>(On<'q>);
 
 /// A [`Query`]'s statement, typed for its database, and its executor.
-enum On<'e> {
+enum On<'q> {
     Postgres(
-        Executor<'e, PgPool, PgConnection>,
-        sqlx::query::Query<'static, Postgres, PgArguments>,
+        Executor<'q, PgPool, PgConnection>,
+        sqlx::query::Query<'q, Postgres, PgArguments>,
     ),
     Sqlite(
-        Executor<'e, SqlitePool, SqliteConnection>,
-        sqlx::query::Query<'static, Sqlite, SqliteArguments>,
+        Executor<'q, SqlitePool, SqliteConnection>,
+        sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>,
     ),
 }
 
@@ -315,10 +304,10 @@ macro_rules! on_executor {
     };
 }
 
-impl Query<'_> {
+impl<'q> Query<'q> {
     /// Adds the next argument (`$1` first). An argument that fails to encode (JSON that
     /// cannot be serialised, say) fails the statement when it runs.
-    pub fn bind<'t, T: AnyValue<'t>>(self, value: T) -> Self {
+    pub fn bind<T: AnyValue<'q> + 'q>(self, value: T) -> Self {
         Query(match self.0 {
             On::Postgres(executor, query) => On::Postgres(executor, query.bind(value)),
             On::Sqlite(executor, query) => On::Sqlite(executor, query.bind(value)),
@@ -413,8 +402,11 @@ impl Encode<'_, Postgres> for Timestamp {
     }
 }
 
-impl Encode<'_, Sqlite> for Timestamp {
-    fn encode_by_ref(&self, buf: &mut SqliteArgumentsBuffer) -> Result<IsNull, BoxDynError> {
+impl<'q> Encode<'q, Sqlite> for Timestamp {
+    fn encode_by_ref(
+        &self,
+        buf: &mut Vec<SqliteArgumentValue<'q>>,
+    ) -> Result<IsNull, BoxDynError> {
         <i64 as Encode<Sqlite>>::encode(self.0.timestamp_millis(), buf)
     }
 }
@@ -453,8 +445,11 @@ where
     }
 }
 
-impl<T: serde::Serialize> Encode<'_, Sqlite> for List<'_, T> {
-    fn encode_by_ref(&self, buf: &mut SqliteArgumentsBuffer) -> Result<IsNull, BoxDynError> {
+impl<'q, T: serde::Serialize> Encode<'q, Sqlite> for List<'_, T> {
+    fn encode_by_ref(
+        &self,
+        buf: &mut Vec<SqliteArgumentValue<'q>>,
+    ) -> Result<IsNull, BoxDynError> {
         let json = serde_json::to_string(self.0)?;
         <String as Encode<Sqlite>>::encode(json, buf)
     }

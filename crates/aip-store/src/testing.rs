@@ -60,7 +60,7 @@ impl TestDatabase {
             source,
         };
         let mut conn = connect_admin(&admin_url).await.map_err(fail)?;
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+        sqlx::query(&format!("CREATE DATABASE \"{name}\""))
             .execute(&mut conn)
             .await
             .map_err(fail)?;
@@ -129,9 +129,7 @@ async fn remove(kind: Kind) {
         Kind::Postgres { admin_url, name } => {
             let result = async {
                 let mut conn = connect_admin(&admin_url).await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
-                )))
+                sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
                 .execute(&mut conn)
                 .await?;
                 sqlx::Connection::close(conn).await

@@ -268,6 +268,13 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     )
     .await
     .expect("stack");
+    let subjects = proto_schemas::Subjects::new(&stack.prefix).expect("prefix");
+    // A copy of every `registry.get` request, in the order they were sent.
+    let mut gets = stack
+        .bus
+        .subscribe(subjects.registry_get())
+        .await
+        .expect("subscribed");
     let register = device_register("far-pc", "linux");
     let device = registered(&stack.ws_url(1), &register).await;
     until_online(&stack, "far-pc").await;
@@ -292,6 +299,31 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     assert_eq!(info["status"], "ok", "{info}");
     assert_eq!(info["response_id"], "device_info_far-pc_1");
     assert_eq!(info["result"], register["metadata"]["system_info"]);
+
+    // Gateway 1 answered from its own table: the registry was not asked about far-pc. A
+    // constellation on gateway 1 is no device (gateway 1 says so); an id connected nowhere
+    // is looked up in the registry, and that is the first lookup.
+    let mut free = registered(&stack.ws_url(0), &constellation_register("free@any", None)).await;
+    let _far_galaxy = registered(&stack.ws_url(1), &constellation_register("g@far", None)).await;
+    for (target, request_id) in [("g@far", "req-constellation"), ("ghost", "req-ghost")] {
+        free.send(&device_info_request("free@any", target, request_id))
+            .await;
+        let info = free.recv_kind("device_info_response").await;
+        assert_eq!(info["status"], "error", "{info}");
+        assert_eq!(info["response_id"], request_id, "{info}");
+        assert_eq!(
+            info["error"],
+            format!("Device {target} not found or no system info available"),
+            "{info}"
+        );
+        assert_eq!(info["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{info}");
+    }
+    let first_get = tokio::time::timeout(aip_testkit::WAIT, futures::StreamExt::next(&mut gets))
+        .await
+        .expect("a registry.get request")
+        .expect("subscription open");
+    let first_get: Value = serde_json::from_slice(&first_get.payload).expect("JSON");
+    assert_eq!(first_get["agent_id"], "ghost", "only the device connected nowhere");
 
     // The id is held on gateway 1: another anonymous connection on gateway 0 is refused.
     let closed = refused_registration(

@@ -726,7 +726,7 @@ impl Term {
     /// Renews the lease on `conn` (inside the write's transaction, or alone).
     async fn renew(&mut self, conn: &mut sqlx::PgConnection) -> Result<(), StoreError> {
         let started = std::time::Instant::now();
-        let renewed = sqlx::query(sqlx::AssertSqlSafe(RENEW_LEASE.as_str()))
+        let renewed = sqlx::query(RENEW_LEASE.as_str())
             .bind(&self.spec.name)
             .bind(&self.spec.holder)
             .bind(millis(self.spec.duration))
@@ -858,7 +858,7 @@ async fn write_pg(
     // locked until the commit, so no other replica can take the lease meanwhile.
     term.renew(&mut *tx).await?;
     if !rows.is_empty() {
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(PG_UPSERT_TASKS.as_str()));
+        let mut q = sqlx::query(PG_UPSERT_TASKS.as_str());
         for (i, column) in COLUMNS.iter().enumerate() {
             let values = rows.iter().map(|row| &row[i]);
             q = match column.kind {
@@ -1062,20 +1062,20 @@ impl TaskStore {
                             ("lock_timeout", half.min(MAX_LOCK_WAIT_MS)),
                         ];
                         for (setting, ms) in settings {
-                            sqlx::query(sqlx::AssertSqlSafe(format!("SET {setting} = {ms}")))
+                            sqlx::query(&format!("SET {setting} = {ms}"))
                                 .execute(&mut conn)
                                 .await?;
                         }
                         conn
                     }
                 };
-                sqlx::query(sqlx::AssertSqlSafe(END_EXPIRED_HOLDER.as_str()))
+                sqlx::query(END_EXPIRED_HOLDER.as_str())
                     .bind(&lease.name)
                     .bind(&lease.holder)
                     .execute(&mut conn)
                     .await?;
                 let started = std::time::Instant::now();
-                let taken = sqlx::query_as(sqlx::AssertSqlSafe(TAKE_LEASE.as_str()))
+                let taken = sqlx::query_as(TAKE_LEASE.as_str())
                     .bind(&lease.name)
                     .bind(&lease.holder)
                     .bind(millis(lease.duration))

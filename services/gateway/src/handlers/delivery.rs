@@ -3,6 +3,7 @@
 //! telling a replaced connection to close.
 
 use aip_bus::{Headers, Message as BusMessage, names};
+use bytes::Bytes;
 use proto_schemas::sessions::DeliveryAck;
 use proto_schemas::{ErrorCode, V1, server};
 
@@ -18,6 +19,10 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
             );
             return Err(End::Replaced);
         }
+        return Ok(());
+    }
+    if message.headers.get(names::CONTROL) == Some(names::DEVICE_INFO) {
+        answer_device_info(client, &message).await;
         return Ok(());
     }
     if let Some(id) = message.headers.get(names::MSG_ID)
@@ -78,5 +83,39 @@ async fn acknowledge(client: &Client, message: &BusMessage) {
             msg_id,
             "delivery acknowledgement not sent (the frame comes again): {e}"
         );
+    }
+}
+
+/// Another gateway asks, for one of its constellations, about the device this connection
+/// holds ([`names::DEVICE_INFO`]): answered from this gateway's own table, as for a
+/// constellation of its own.
+async fn answer_device_info(client: &Client, message: &BusMessage) {
+    let Some(reply) = &message.reply else {
+        return;
+    };
+    let client_id = client
+        .identity
+        .as_ref()
+        .map(|identity| identity.client_id.as_str())
+        .unwrap_or_default();
+    let device = client
+        .state
+        .devices
+        .get(client_id)
+        .filter(|device| device.connection_id == client.connection_id);
+    let (headers, payload) = match device.as_ref().map(|d| d.system_info.as_ref()) {
+        Some(Some(info)) => (Headers::new(), Bytes::copy_from_slice(info.get().as_bytes())),
+        found => {
+            let detail = match found {
+                Some(_) => format!("Device {client_id} has no system info"),
+                None => format!("Device {client_id} not found or no system info available"),
+            };
+            let headers =
+                Headers::new().with(names::ERROR_CODE, ErrorCode::DeviceNotFound.as_str());
+            (headers, Bytes::from(detail))
+        }
+    };
+    if let Err(e) = client.state.bus.publish(reply.clone(), headers, payload).await {
+        tracing::debug!(device = %client_id, "device info answer not sent: {e}");
     }
 }

@@ -1,10 +1,16 @@
 //! DEVICE_INFO_REQUEST: a constellation asks for a device's system information.
 //!
 //! Answered from this gateway's own devices ([`crate::devices`]) when the device is one of
-//! them, else by the registry. Only a constellation may ask, and one registered for a
-//! device only about that device.
+//! them; else by the gateway holding the device, asked on the device's delivery subject
+//! ([`aip_bus::names::DEVICE_INFO`]), which answers from its own table: no registry request
+//! and no database read. Only a device connected nowhere is looked up in the registry. Only a
+//! constellation may ask, and one registered for a device only about that device.
 
-use aip_bus::RegistryError;
+use std::time::Duration;
+
+use aip_bus::{BusError, Headers, RegistryError, names};
+use bytes::Bytes;
+use serde_json::value::RawValue;
 use proto_schemas::registry::AgentStatus;
 use proto_schemas::{ClientMessage, ClientType, ErrorCode, server};
 
@@ -57,6 +63,34 @@ pub(crate) async fn handle(
             }
         };
     }
+    match ask_holder(client, &target).await {
+        Held::Info(info) => {
+            return match replies::device_info(request_id, &info) {
+                Ok(text) => Ok(connection.write_text(text)?),
+                Err(e) => Ok(connection.write(&server::device_info_error(
+                    request_id,
+                    format!("Device {target}'s system info could not be sent: {e}"),
+                    ErrorCode::Internal,
+                ))?),
+            };
+        }
+        Held::Refused(detail) => {
+            return Ok(connection.write(&server::device_info_error(
+                request_id,
+                detail,
+                ErrorCode::DeviceNotFound,
+            ))?);
+        }
+        Held::Failed(e) => {
+            return Ok(connection.write(&server::device_info_error(
+                request_id,
+                e.to_string(),
+                ErrorCode::Unavailable,
+            ))?);
+        }
+        // Not connected anywhere: the registry knows whether it ever was.
+        Held::Nobody => {}
+    }
     let agent = match client.state.registry.get(&target).await {
         Ok(agent) => Some(agent),
         Err(RegistryError::Refused(_)) => None,
@@ -84,4 +118,41 @@ pub(crate) async fn handle(
         ),
     };
     Ok(connection.write(&answer)?)
+}
+
+/// What the gateway holding a device answered.
+enum Held {
+    /// Its system information.
+    Info(Box<RawValue>),
+    /// Why there is none (it holds no such device, or the device sent none).
+    Refused(String),
+    /// No gateway holds it.
+    Nobody,
+    /// The bus failed, or the holder did not answer in time.
+    Failed(BusError),
+}
+
+/// Asks the gateway holding `device` (whichever listens on its delivery subject).
+async fn ask_holder(client: &Client, device: &str) -> Held {
+    let state = &client.state;
+    let subject = state.subjects.deliver(device);
+    let headers = Headers::new().with(names::CONTROL, names::DEVICE_INFO);
+    let patience = Duration::from_millis(state.settings.gateway.request_timeout_ms);
+    match state
+        .bus
+        .request(subject, headers, Bytes::new(), patience)
+        .await
+    {
+        Ok(reply) if reply.headers.get(names::ERROR_CODE).is_some() => {
+            Held::Refused(String::from_utf8_lossy(&reply.payload).into_owned())
+        }
+        Ok(reply) => match serde_json::from_slice::<Box<RawValue>>(&reply.payload) {
+            Ok(info) => Held::Info(info),
+            Err(e) => Held::Refused(format!(
+                "Device {device}'s system info could not be read: {e}"
+            )),
+        },
+        Err(BusError::NoResponders { .. }) => Held::Nobody,
+        Err(e) => Held::Failed(e),
+    }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use aip_store::{List, Sql, Tx};
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, FromRow};
+use sqlx::FromRow;
 
 use super::{
     AGENT_COLUMNS, Admit, AgentRow, BatchOutcome, Holder, RETURNING_COLUMNS, RegisterOutcome,
@@ -496,7 +496,7 @@ mod postgres {
     ) -> Result<HashMap<String, AgentRecord>, StoreError> {
         let c = RegisterColumns::new(admitted)?;
         // In `updated`, `a.…` on the right-hand side is the row before the update.
-        let sql = AssertSqlSafe(format!(
+        let sql = format!(
             "WITH offline AS ( \
                  UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
                  WHERE agent_id = ANY($14::text[]) \
@@ -527,8 +527,8 @@ mod postgres {
                  RETURNING {AGENT_COLUMNS} \
              ) \
              SELECT * FROM inserted UNION ALL SELECT * FROM updated"
-        ));
-        let rows: Vec<AgentRow> = sqlx::query_as(sql)
+        );
+        let rows: Vec<AgentRow> = sqlx::query_as(&sql)
             .bind(&c.kind)
             .bind(&c.agent_id)
             .bind(&c.client_type)

@@ -1,0 +1,62 @@
+//! Presence at scale: 5,000 registered connections with 256-byte ids make a gateway's
+//! presence report larger than NATS carries in one message (1 MiB). The gateway sends it in
+//! parts; every agent stays online for several liveness windows, kept alive by presence
+//! alone. Before, the oversized report was refused by the bus, the registry took the gateway
+//! for silent and every agent on it went offline. Both backends.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use aip_testkit::frames::device_register;
+use aip_testkit::{Backend, Options, Stack, both_backends, eventually};
+use common::{online_clients, registered};
+
+const CLIENTS: usize = 5_000;
+
+/// One variant at a time: each holds 10,000 sockets (both ends of every connection), and the
+/// process's descriptor limit (`scripts/test.sh` raises it to the hard limit) is shared.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn a_presence_report_larger_than_a_message_keeps_every_agent_online(backend: Backend) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let options = Options {
+        sessions: false,
+        ..Options::default()
+    };
+    let window = Duration::from_millis(options.liveness_ms);
+    let stack = Stack::start(backend, options).await.expect("stack");
+    let url = stack.ws_url(0);
+    let ids: Vec<String> = (0..CLIENTS).map(|i| format!("{i:0>256}")).collect();
+    let mut clients = Vec::with_capacity(CLIENTS);
+    for chunk in ids.chunks(100) {
+        let frames: Vec<_> = chunk
+            .iter()
+            .map(|id| device_register(id, "windows"))
+            .collect();
+        clients.extend(
+            futures::future::join_all(frames.iter().map(|frame| registered(&url, frame))).await,
+        );
+    }
+    let base = stack.registry_url();
+    let expected: HashSet<String> = ids.iter().cloned().collect();
+    eventually("every client online in the registry", || {
+        let (base, expected) = (base.clone(), &expected);
+        async move {
+            let online: HashSet<String> = online_clients(&base).await.into_iter().collect();
+            (online == *expected).then_some(())
+        }
+    })
+    .await
+    .expect("online");
+
+    // Three liveness windows with nothing but presence reports to keep the agents alive.
+    tokio::time::sleep(3 * window).await;
+    let online: HashSet<String> = online_clients(&base).await.into_iter().collect();
+    let lost = expected.difference(&online).count();
+    assert_eq!(lost, 0, "{lost} of {CLIENTS} agents went offline");
+    drop(clients);
+    stack.stop().await;
+}
+both_backends!(a_presence_report_larger_than_a_message_keeps_every_agent_online);
