@@ -23,8 +23,8 @@ use sqlx::sqlite::{
     SqliteArgumentValue, SqliteArguments, SqliteRow, SqliteTypeInfo, SqliteValueRef,
 };
 use sqlx::{
-    Decode, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection,
-    SqlitePool, Type,
+    Decode, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool,
+    Type,
 };
 
 use crate::{Backend, Database};
@@ -185,9 +185,10 @@ impl<'c> Conn<'c> {
     /// `sql` on this connection; add arguments with [`Query::bind`].
     pub fn query(self, sql: &'c Sql) -> Query<'c> {
         match self {
-            Conn::Postgres(conn) => {
-                Query(On::Postgres(Executor::Conn(conn), sqlx::query(&sql.postgres)))
-            }
+            Conn::Postgres(conn) => Query(On::Postgres(
+                Executor::Conn(conn),
+                sqlx::query(&sql.postgres),
+            )),
             Conn::Sqlite(conn) => Query(On::Sqlite(Executor::Conn(conn), sqlx::query(&sql.sqlite))),
         }
     }
@@ -251,10 +252,13 @@ impl Database {
     /// `sql` on a pooled connection; add arguments with [`Query::bind`].
     pub fn query<'q>(&'q self, sql: &'q Sql) -> Query<'q> {
         match self {
-            Database::Postgres(pool) => {
-                Query(On::Postgres(Executor::Pool(pool), sqlx::query(&sql.postgres)))
+            Database::Postgres(pool) => Query(On::Postgres(
+                Executor::Pool(pool),
+                sqlx::query(&sql.postgres),
+            )),
+            Database::Sqlite(pool) => {
+                Query(On::Sqlite(Executor::Pool(pool), sqlx::query(&sql.sqlite)))
             }
-            Database::Sqlite(pool) => Query(On::Sqlite(Executor::Pool(pool), sqlx::query(&sql.sqlite))),
         }
     }
 
@@ -403,10 +407,7 @@ impl Encode<'_, Postgres> for Timestamp {
 }
 
 impl<'q> Encode<'q, Sqlite> for Timestamp {
-    fn encode_by_ref(
-        &self,
-        buf: &mut Vec<SqliteArgumentValue<'q>>,
-    ) -> Result<IsNull, BoxDynError> {
+    fn encode_by_ref(&self, buf: &mut Vec<SqliteArgumentValue<'q>>) -> Result<IsNull, BoxDynError> {
         <i64 as Encode<Sqlite>>::encode(self.0.timestamp_millis(), buf)
     }
 }
@@ -446,10 +447,7 @@ where
 }
 
 impl<'q, T: serde::Serialize> Encode<'q, Sqlite> for List<'_, T> {
-    fn encode_by_ref(
-        &self,
-        buf: &mut Vec<SqliteArgumentValue<'q>>,
-    ) -> Result<IsNull, BoxDynError> {
+    fn encode_by_ref(&self, buf: &mut Vec<SqliteArgumentValue<'q>>) -> Result<IsNull, BoxDynError> {
         let json = serde_json::to_string(self.0)?;
         <String as Encode<Sqlite>>::encode(json, buf)
     }

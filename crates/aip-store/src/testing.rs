@@ -130,8 +130,8 @@ async fn remove(kind: Kind) {
             let result = async {
                 let mut conn = connect_admin(&admin_url).await?;
                 sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-                .execute(&mut conn)
-                .await?;
+                    .execute(&mut conn)
+                    .await?;
                 sqlx::Connection::close(conn).await
             }
             .await;

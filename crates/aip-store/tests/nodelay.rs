@@ -88,7 +88,10 @@ async fn postgres_connections_over_tcp_never_wait_on_nagle() {
         .filter(|(local, _)| *local != plain_addr)
         .map(|(_, on)| *on)
         .collect();
-    assert!(!pool.is_empty(), "the pool holds no TCP connection to {servers:?}");
+    assert!(
+        !pool.is_empty(),
+        "the pool holds no TCP connection to {servers:?}"
+    );
     assert!(
         pool.iter().all(|on| *on),
         "TCP_NODELAY is off on {} of {} of the pool's connections to PostgreSQL",

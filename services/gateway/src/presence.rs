@@ -160,7 +160,10 @@ pub async fn run(
         } else {
             table.drain_alive()
         };
-        let budget = bus.max_payload().saturating_sub(HEADROOM).max(MIN_BATCH_BYTES);
+        let budget = bus
+            .max_payload()
+            .saturating_sub(HEADROOM)
+            .max(MIN_BATCH_BYTES);
         for body in batches(&gateway_id, interval_ms, alive, stopping, budget) {
             if let Err(e) = bus
                 .publish(subject.clone(), Headers::new(), body.into())
@@ -200,7 +203,10 @@ mod tests {
         for body in &bodies {
             assert!(body.len() <= 64 * 1024, "a part of {} bytes", body.len());
             let batch: PresenceBatch = serde_json::from_slice(body).expect("a presence batch");
-            assert_eq!((batch.gateway_id.as_str(), batch.interval_ms), ("gw", 1_000));
+            assert_eq!(
+                (batch.gateway_id.as_str(), batch.interval_ms),
+                ("gw", 1_000)
+            );
             assert!(!batch.stopping);
             seen.extend(batch.alive);
         }
@@ -210,7 +216,11 @@ mod tests {
     #[test]
     fn a_quiet_or_stopping_report_is_one_message() {
         let quiet = batches("gw", 1_000, Vec::new(), false, 64 * 1024);
-        assert_eq!(quiet.len(), 1, "an empty report is still the gateway's heartbeat");
+        assert_eq!(
+            quiet.len(),
+            1,
+            "an empty report is still the gateway's heartbeat"
+        );
         let last = batches("gw", 1_000, Vec::new(), true, 64 * 1024);
         let batch: PresenceBatch = serde_json::from_slice(&last[0]).expect("a presence batch");
         assert!(batch.stopping && batch.alive.is_empty());

@@ -323,7 +323,10 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
         .expect("a registry.get request")
         .expect("subscription open");
     let first_get: Value = serde_json::from_slice(&first_get.payload).expect("JSON");
-    assert_eq!(first_get["agent_id"], "ghost", "only the device connected nowhere");
+    assert_eq!(
+        first_get["agent_id"], "ghost",
+        "only the device connected nowhere"
+    );
 
     // The id is held on gateway 1: another anonymous connection on gateway 0 is refused.
     let closed = refused_registration(

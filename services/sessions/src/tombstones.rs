@@ -71,7 +71,10 @@ impl Tombstones {
     }
 
     fn key(&self, task_id: &str) -> Key {
-        [self.keys[0].hash_one(task_id), self.keys[1].hash_one(task_id)]
+        [
+            self.keys[0].hash_one(task_id),
+            self.keys[1].hash_one(task_id),
+        ]
     }
 
     /// Reserves `task_id`, which `owner` held, from `now`; forgets what is older than the
@@ -118,7 +121,11 @@ mod tests {
         assert_eq!(stones.owner("t1", "bob"), Some(Owner::Other));
         assert_eq!(stones.owner("t2", "alice"), None);
         stones.add("t2", "bob", 1_000);
-        assert_eq!(stones.owner("t1", "alice"), Some(Owner::Same), "still inside the window");
+        assert_eq!(
+            stones.owner("t1", "alice"),
+            Some(Owner::Same),
+            "still inside the window"
+        );
         stones.add("t3", "bob", 1_001);
         assert_eq!(stones.owner("t1", "alice"), None, "out of the window");
         assert_eq!(stones.owner("t2", "bob"), Some(Owner::Same));

@@ -104,7 +104,10 @@ async fn answer_device_info(client: &Client, message: &BusMessage) {
         .get(client_id)
         .filter(|device| device.connection_id == client.connection_id);
     let (headers, payload) = match device.as_ref().map(|d| d.system_info.as_ref()) {
-        Some(Some(info)) => (Headers::new(), Bytes::copy_from_slice(info.get().as_bytes())),
+        Some(Some(info)) => (
+            Headers::new(),
+            Bytes::copy_from_slice(info.get().as_bytes()),
+        ),
         found => {
             let detail = match found {
                 Some(_) => format!("Device {client_id} has no system info"),
@@ -115,7 +118,12 @@ async fn answer_device_info(client: &Client, message: &BusMessage) {
             (headers, Bytes::from(detail))
         }
     };
-    if let Err(e) = client.state.bus.publish(reply.clone(), headers, payload).await {
+    if let Err(e) = client
+        .state
+        .bus
+        .publish(reply.clone(), headers, payload)
+        .await
+    {
         tracing::debug!(device = %client_id, "device info answer not sent: {e}");
     }
 }

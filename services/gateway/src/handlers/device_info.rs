@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use aip_bus::{BusError, Headers, RegistryError, names};
 use bytes::Bytes;
-use serde_json::value::RawValue;
 use proto_schemas::registry::AgentStatus;
 use proto_schemas::{ClientMessage, ClientType, ErrorCode, server};
+use serde_json::value::RawValue;
 
 use crate::client::{Client, End};
 use crate::identity::Identity;

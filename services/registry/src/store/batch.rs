@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use aip_store::{List, Sql, Tx};
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
-use sqlx::types::Json;
 use sqlx::FromRow;
+use sqlx::types::Json;
 
 use super::{
     AGENT_COLUMNS, Admit, AgentRow, BatchOutcome, Holder, RETURNING_COLUMNS, RegisterOutcome,
