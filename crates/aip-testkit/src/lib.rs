@@ -313,10 +313,17 @@ impl Stack {
             let app = aip_sessions::Application::build(settings, bus.clone(), db)
                 .await
                 .context("sessions")?;
+            let engine = app.engine().clone();
             stack.sessions_http = Some(app.local_addr());
             stack
                 .services
                 .push(Service::spawn("sessions", |stop| app.run_until(stop)));
+            // Leadership is taken in the background: tests start once changes are accepted.
+            eventually("the session service to lead", || {
+                let leading = engine.is_leading();
+                async move { leading.then_some(()) }
+            })
+            .await?;
         }
         for _ in 0..options.gateways {
             stack.add_gateway().await?;
