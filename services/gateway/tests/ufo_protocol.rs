@@ -103,18 +103,7 @@ async fn devices_and_constellations_register_heartbeat_and_get_device_info(backe
     assert_eq!(info["result"]["device_id"], "pc-2");
     assert_eq!(info["result"]["platform"], "linux");
     for (target, request_id) in [("ghost", "req-ghost"), ("galaxy@pc-1", "req-constellation")] {
-        free.send(&device_info_request("free@any", target, request_id))
-            .await;
-        let info = free.recv_kind("device_info_response").await;
-        assert_eq!(info["status"], "error", "{info}");
-        assert_eq!(info["response_id"], request_id, "{info}");
-        assert_eq!(
-            info["error"],
-            format!("Device {target} not found or no system info available"),
-            "{info}"
-        );
-        assert!(info["result"].is_null(), "{info}");
-        assert_eq!(info["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{info}");
+        not_found(&mut free, "free@any", target, request_id).await;
     }
 
     // A device that left: its info is no longer served.
@@ -306,17 +295,7 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     let mut free = registered(&stack.ws_url(0), &constellation_register("free@any", None)).await;
     let _far_galaxy = registered(&stack.ws_url(1), &constellation_register("g@far", None)).await;
     for (target, request_id) in [("g@far", "req-constellation"), ("ghost", "req-ghost")] {
-        free.send(&device_info_request("free@any", target, request_id))
-            .await;
-        let info = free.recv_kind("device_info_response").await;
-        assert_eq!(info["status"], "error", "{info}");
-        assert_eq!(info["response_id"], request_id, "{info}");
-        assert_eq!(
-            info["error"],
-            format!("Device {target} not found or no system info available"),
-            "{info}"
-        );
-        assert_eq!(info["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{info}");
+        not_found(&mut free, "free@any", target, request_id).await;
     }
     let first_get = tokio::time::timeout(aip_testkit::WAIT, futures::StreamExt::next(&mut gets))
         .await
@@ -413,6 +392,23 @@ async fn device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry(b
     stack.stop().await;
 }
 both_backends!(device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry);
+
+/// `asker` asks about `target` and gets UFO's "not found" device-info answer.
+async fn not_found(asker: &mut Ws, asker_id: &str, target: &str, request_id: &str) {
+    asker
+        .send(&device_info_request(asker_id, target, request_id))
+        .await;
+    let info = asker.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "error", "{info}");
+    assert_eq!(info["response_id"], request_id, "{info}");
+    assert_eq!(
+        info["error"],
+        format!("Device {target} not found or no system info available"),
+        "{info}"
+    );
+    assert!(info["result"].is_null(), "{info}");
+    assert_eq!(info["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{info}");
+}
 
 async fn eventually_on_gateway(stack: &Stack, id: &str, gateway: &str) {
     let base = stack.registry_url();
