@@ -257,13 +257,7 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     )
     .await
     .expect("stack");
-    let subjects = proto_schemas::Subjects::new(&stack.prefix).expect("prefix");
-    // A copy of every `registry.get` request, in the order they were sent.
-    let mut gets = stack
-        .bus
-        .subscribe(subjects.registry_get())
-        .await
-        .expect("subscribed");
+    let mut gets = registry_gets(&stack).await;
     let register = device_register("far-pc", "linux");
     let device = registered(&stack.ws_url(1), &register).await;
     until_online(&stack, "far-pc").await;
@@ -297,13 +291,9 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     for (target, request_id) in [("g@far", "req-constellation"), ("ghost", "req-ghost")] {
         not_found(&mut free, "free@any", target, request_id).await;
     }
-    let first_get = tokio::time::timeout(aip_testkit::WAIT, futures::StreamExt::next(&mut gets))
-        .await
-        .expect("a registry.get request")
-        .expect("subscription open");
-    let first_get: Value = serde_json::from_slice(&first_get.payload).expect("JSON");
     assert_eq!(
-        first_get["agent_id"], "ghost",
+        next_get(&mut gets).await,
+        "ghost",
         "only the device connected nowhere"
     );
 
@@ -333,24 +323,8 @@ both_backends!(constellation_gets_device_info_across_gateways);
 /// request, with the system info as registered; about other devices, and once a device has
 /// left, it asks the registry.
 async fn device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry(backend: Backend) {
-    use futures::StreamExt;
-
     let stack = Stack::start(backend, options()).await.expect("stack");
-    let subjects = proto_schemas::Subjects::new(&stack.prefix).expect("prefix");
-    // A copy of every `registry.get` request, in the order the gateway sent them.
-    let mut gets = stack
-        .bus
-        .subscribe(subjects.registry_get())
-        .await
-        .expect("subscribed");
-    let mut next_get = async || {
-        let message = tokio::time::timeout(aip_testkit::WAIT, gets.next())
-            .await
-            .expect("a registry.get request")
-            .expect("subscription open");
-        let request: Value = serde_json::from_slice(&message.payload).expect("JSON");
-        request["agent_id"].clone()
-    };
+    let mut gets = registry_gets(&stack).await;
     let url = stack.ws_url(0);
     let register = device_register("pc-local", "linux");
     let device = registered(&url, &register).await;
@@ -374,7 +348,7 @@ async fn device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry(b
     let ghost = ask("ghost", "ghost-1").await;
     assert_eq!(ghost["status"], "error", "{ghost}");
     assert_eq!(
-        next_get().await,
+        next_get(&mut gets).await,
         "ghost",
         "device info of pc-local came from the gateway"
     );
@@ -385,13 +359,33 @@ async fn device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry(b
     assert_eq!(gone["status"], "error", "{gone}");
     assert_eq!(gone["metadata"]["error_code"], "DEVICE_NOT_FOUND", "{gone}");
     assert_eq!(
-        next_get().await,
+        next_get(&mut gets).await,
         "pc-local",
         "after it left, the registry is asked"
     );
     stack.stop().await;
 }
 both_backends!(device_info_of_a_device_on_the_same_gateway_does_not_ask_the_registry);
+
+/// A copy of every `registry.get` request, in the order they were sent.
+async fn registry_gets(stack: &Stack) -> aip_bus::Subscription {
+    let subjects = proto_schemas::Subjects::new(&stack.prefix).expect("prefix");
+    stack
+        .bus
+        .subscribe(subjects.registry_get())
+        .await
+        .expect("subscribed")
+}
+
+/// The agent id of the next `registry.get` request.
+async fn next_get(gets: &mut aip_bus::Subscription) -> Value {
+    let message = tokio::time::timeout(aip_testkit::WAIT, futures::StreamExt::next(gets))
+        .await
+        .expect("a registry.get request")
+        .expect("subscription open");
+    let request: Value = serde_json::from_slice(&message.payload).expect("JSON");
+    request["agent_id"].clone()
+}
 
 /// `asker` asks about `target` and gets UFO's "not found" device-info answer.
 async fn not_found(asker: &mut Ws, asker_id: &str, target: &str, request_id: &str) {
