@@ -23,6 +23,13 @@ pub mod telemetry;
 
 pub use service::{ServiceName, ServiceSettings, StartError};
 
+/// Every aip process allocates with mimalloc. Measured under the task load, glibc's malloc was
+/// the largest single cost of the session service (`malloc_consolidate`, `_int_free`), and it
+/// keeps freed memory: after a 90 MiB result a service stayed at several hundred MiB. mimalloc
+/// is faster for many small short-lived allocations and returns freed pages to the system.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Installs rustls' ring crypto provider for the process. Call once at the start of `main`
 /// (and of test harnesses) before any TLS client is built; later calls do nothing.
 pub fn install_crypto_provider() {

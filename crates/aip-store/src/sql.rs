@@ -318,6 +318,18 @@ impl<'q> Query<'q> {
         })
     }
 
+    /// Plans the statement each time it runs instead of preparing it once. PostgreSQL keeps a
+    /// prepared statement's generic plan, made when the statement was first prepared, for as
+    /// long as the connection lives, and does not revisit it as the table grows: a lookup of
+    /// a list of keys planned as a sequential scan on a new, small table stays one on a table
+    /// of millions. Use it for such lookups on tables that grow; each run costs a planning.
+    pub fn planned_each_time(self) -> Self {
+        Query(match self.0 {
+            On::Postgres(executor, query) => On::Postgres(executor, query.persistent(false)),
+            On::Sqlite(executor, query) => On::Sqlite(executor, query.persistent(false)),
+        })
+    }
+
     /// Runs it and returns every row.
     pub async fn fetch_all<R: FromAnyRow>(self) -> Result<Vec<R>, sqlx::Error> {
         on_executor!(self.0, |executor, query| {

@@ -315,34 +315,88 @@ static LITE_INSERT_TASKS: LazyLock<String> =
 /// SQLite's conflict clause.
 static LITE_UPSERT_TAIL: LazyLock<String> = LazyLock::new(upsert_tail);
 
-/// PostgreSQL's upsert of every changed task in one statement: each column travels as one
-/// array, and `UNNEST` turns the arrays back into rows.
-static PG_UPSERT_TASKS: LazyLock<String> = LazyLock::new(|| {
-    let select: Vec<String> = COLUMNS
+/// PostgreSQL's write of a whole group in one statement, so a group commit costs one round
+/// trip and the server's commit, whatever it holds. Each `tasks` column and each column of
+/// the other tables travels as one array, and `UNNEST` turns the arrays back into rows; an
+/// empty array writes nothing. The first part renews the lease of this term (the fence): the
+/// others write only when it did, so a replica whose term is over writes nothing, and the
+/// renewed row stays locked until the statement commits, so no other replica takes the lease
+/// meanwhile. The statement returns how many lease rows it renewed (1, or 0: the term is
+/// over). Data-modifying `WITH` parts run on one snapshot: no part reads another's rows (the
+/// outbox rows deleted are those of earlier groups).
+static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
+    let mut next = 0;
+    let mut param = |ty: &str| {
+        next += 1;
+        format!("${next}::{ty}")
+    };
+    let (name, holder, duration, term) = (
+        param("text"),
+        param("text"),
+        param("int8"),
+        param("int8"),
+    );
+    let task_select: Vec<String> = COLUMNS
         .iter()
         .map(|c| match c.kind {
             Kind::Json => format!("{}::jsonb", c.name),
             _ => c.name.to_owned(),
         })
         .collect();
-    let arrays: Vec<String> = COLUMNS
+    let task_arrays: Vec<String> = COLUMNS
         .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let ty = match c.kind {
+        .map(|c| {
+            param(match c.kind {
                 Kind::Text | Kind::Json => "text[]",
                 Kind::Int4 => "int4[]",
                 Kind::Int8 => "int8[]",
                 Kind::Bool => "bool[]",
-            };
-            format!("${}::{ty}", i + 1)
+            })
         })
         .collect();
+    let events = [
+        param("text[]"),
+        param("int8[]"),
+        param("int8[]"),
+        param("text[]"),
+        param("text[]"),
+        param("text[]"),
+    ]
+    .join(", ");
+    let processed = param("text[]");
+    let now = param("int8");
+    let outbox = [param("text[]"), param("text[]"), param("bytea[]")].join(", ");
+    let published = param("text[]");
+    let prune_before = param("int8");
+    let leading = "EXISTS (SELECT 1 FROM lease)";
     format!(
-        "INSERT INTO tasks ({names}) SELECT {select} FROM UNNEST({arrays}) AS u({names}){tail}",
+        "WITH lease AS (\
+             UPDATE session_leader SET expires_ms = {DB_NOW_MS} + {duration} \
+             WHERE name = {name} AND holder = {holder} AND term = {term} RETURNING 1), \
+         written_tasks AS (\
+             INSERT INTO tasks ({names}) SELECT {task_select} \
+             FROM UNNEST({task_arrays}) AS u({names}) WHERE {leading}{tail}), \
+         written_events AS (\
+             INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) \
+             SELECT task_id, seq, at_ms, kind, state, data::jsonb \
+             FROM UNNEST({events}) AS u(task_id, seq, at_ms, kind, state, data) \
+             WHERE {leading}), \
+         written_processed AS (\
+             INSERT INTO processed_messages (msg_id, at_ms) \
+             SELECT id, {now} FROM UNNEST({processed}) AS u(id) WHERE {leading} \
+             ON CONFLICT (msg_id) DO NOTHING), \
+         written_outbox AS (\
+             INSERT INTO task_outbox (msg_id, subject, payload, created_ms) \
+             SELECT msg_id, subject, payload, {now} \
+             FROM UNNEST({outbox}) AS u(msg_id, subject, payload) WHERE {leading}), \
+         deleted_outbox AS (\
+             DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
+         pruned AS (\
+             DELETE FROM processed_messages WHERE at_ms < {prune_before} AND {leading}) \
+         SELECT count(*) FROM lease",
         names = column_names(),
-        select = select.join(", "),
-        arrays = arrays.join(", "),
+        task_select = task_select.join(", "),
+        task_arrays = task_arrays.join(", "),
         tail = upsert_tail(),
     )
 });
@@ -840,9 +894,8 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
     Ok(tx.commit().await?)
 }
 
-/// Writes a batch on PostgreSQL with one statement per table, whatever its size: columns
-/// travel as arrays and `UNNEST` turns them back into rows. One statement text per table
-/// stays prepared, and a batch costs a handful of round trips.
+/// Writes a batch on PostgreSQL in one statement ([`PG_WRITE_GROUP`]), which also renews the
+/// lease: one round trip and one commit per group.
 async fn write_pg(
     conn: &mut sqlx::PgConnection,
     term: &mut Term,
@@ -853,111 +906,77 @@ async fn write_pg(
         .iter()
         .map(cells)
         .collect::<Result<Vec<_>, _>>()?;
-    let mut tx = sqlx::Connection::begin(conn).await?;
-    // First, so that a replica whose term is over writes nothing; the renewed row stays
-    // locked until the commit, so no other replica can take the lease meanwhile.
-    term.renew(&mut *tx).await?;
-    if !rows.is_empty() {
-        let mut q = sqlx::query(PG_UPSERT_TASKS.as_str());
-        for (i, column) in COLUMNS.iter().enumerate() {
-            let values = rows.iter().map(|row| &row[i]);
-            q = match column.kind {
-                Kind::Text | Kind::Json => q.bind(
-                    values
-                        .map(|c| match c {
-                            Cell::Text(v) => v.clone(),
-                            _ => None,
-                        })
-                        .collect::<Vec<Option<String>>>(),
-                ),
-                Kind::Int4 => q.bind(
-                    values
-                        .map(|c| match c {
-                            Cell::Int4(v) => *v,
-                            _ => 0,
-                        })
-                        .collect::<Vec<i32>>(),
-                ),
-                Kind::Int8 => q.bind(
-                    values
-                        .map(|c| match c {
-                            Cell::Int8(v) => *v,
-                            _ => 0,
-                        })
-                        .collect::<Vec<i64>>(),
-                ),
-                Kind::Bool => q.bind(
-                    values
-                        .map(|c| matches!(c, Cell::Bool(true)))
-                        .collect::<Vec<bool>>(),
-                ),
-            };
-        }
-        q.execute(&mut *tx).await?;
+    let started = std::time::Instant::now();
+    let mut q = sqlx::query_scalar::<_, i64>(PG_WRITE_GROUP.as_str())
+        .bind(&term.spec.name)
+        .bind(&term.spec.holder)
+        .bind(millis(term.spec.duration))
+        .bind(term.term);
+    for (i, column) in COLUMNS.iter().enumerate() {
+        let values = rows.iter().map(|row| &row[i]);
+        q = match column.kind {
+            Kind::Text | Kind::Json => q.bind(
+                values
+                    .map(|c| match c {
+                        Cell::Text(v) => v.clone(),
+                        _ => None,
+                    })
+                    .collect::<Vec<Option<String>>>(),
+            ),
+            Kind::Int4 => q.bind(
+                values
+                    .map(|c| match c {
+                        Cell::Int4(v) => *v,
+                        _ => 0,
+                    })
+                    .collect::<Vec<i32>>(),
+            ),
+            Kind::Int8 => q.bind(
+                values
+                    .map(|c| match c {
+                        Cell::Int8(v) => *v,
+                        _ => 0,
+                    })
+                    .collect::<Vec<i64>>(),
+            ),
+            Kind::Bool => q.bind(
+                values
+                    .map(|c| matches!(c, Cell::Bool(true)))
+                    .collect::<Vec<bool>>(),
+            ),
+        };
     }
-    if !batch.events.is_empty() {
-        let e = &batch.events;
-        let data = e
-            .iter()
-            .map(|e| e.data.as_ref().map(json_text).transpose())
-            .collect::<Result<Vec<Option<String>>, _>>()
-            .map_err(|source| StoreError::Encode {
-                task_id: e[0].task_id.clone(),
-                source,
-            })?;
-        sqlx::query(
-            "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) \
-             SELECT task_id, seq, at_ms, kind, state, data::jsonb \
-             FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::text[], $5::text[], $6::text[]) \
-             AS u(task_id, seq, at_ms, kind, state, data)",
-        )
-        .bind(e.iter().map(|e| e.task_id.clone()).collect::<Vec<_>>())
+    let e = &batch.events;
+    let data = e
+        .iter()
+        .map(|e| e.data.as_ref().map(json_text).transpose())
+        .collect::<Result<Vec<Option<String>>, _>>()
+        .map_err(|source| StoreError::Encode {
+            task_id: e.first().map(|e| e.task_id.clone()).unwrap_or_default(),
+            source,
+        })?;
+    let o = &batch.outbox;
+    let renewed = q
+        .bind(e.iter().map(|e| e.task_id.as_str()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.seq).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.at_ms).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.state.as_str()).collect::<Vec<_>>())
         .bind(data)
-        .execute(&mut *tx)
-        .await?;
-    }
-    let now = now_ms();
-    if !batch.processed.is_empty() {
-        sqlx::query(
-            "INSERT INTO processed_messages (msg_id, at_ms) SELECT id, $2 FROM UNNEST($1::text[]) AS u(id) \
-             ON CONFLICT (msg_id) DO NOTHING",
-        )
         .bind(&batch.processed)
-        .bind(now)
-        .execute(&mut *tx)
+        .bind(now_ms())
+        .bind(o.iter().map(|f| f.msg_id.as_str()).collect::<Vec<_>>())
+        .bind(o.iter().map(|f| f.subject.as_str()).collect::<Vec<_>>())
+        .bind(o.iter().map(|f| f.payload.as_ref()).collect::<Vec<&[u8]>>())
+        .bind(&batch.published)
+        .bind(batch.prune_processed_before)
+        .fetch_one(conn)
         .await?;
+    if renewed != 1 {
+        return Err(term.lost());
     }
-    if !batch.outbox.is_empty() {
-        let o = &batch.outbox;
-        sqlx::query(
-            "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) \
-             SELECT msg_id, subject, payload, $4 FROM UNNEST($1::text[], $2::text[], $3::bytea[]) \
-             AS u(msg_id, subject, payload)",
-        )
-        .bind(o.iter().map(|f| f.msg_id.clone()).collect::<Vec<_>>())
-        .bind(o.iter().map(|f| f.subject.clone()).collect::<Vec<_>>())
-        .bind(o.iter().map(|f| f.payload.clone()).collect::<Vec<_>>())
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-    }
-    if !batch.published.is_empty() {
-        sqlx::query("DELETE FROM task_outbox WHERE msg_id = ANY($1)")
-            .bind(&batch.published)
-            .execute(&mut *tx)
-            .await?;
-    }
-    if let Some(before) = batch.prune_processed_before {
-        sqlx::query("DELETE FROM processed_messages WHERE at_ms < $1")
-            .bind(before)
-            .execute(&mut *tx)
-            .await?;
-    }
-    Ok(tx.commit().await?)
+    term.renewed = started;
+    Ok(())
 }
 
 impl Writer {
@@ -1066,6 +1085,13 @@ impl TaskStore {
                                 .execute(&mut conn)
                                 .await?;
                         }
+                        // Every statement of the leader touches rows by key. Its group write
+                        // is prepared once, and the plan PostgreSQL keeps is the one made
+                        // while the tables were small (a sequential scan of the outbox, say):
+                        // it must stay an index scan as the tables grow.
+                        sqlx::query("SET enable_seqscan = off")
+                            .execute(&mut conn)
+                            .await?;
                         conn
                     }
                 };
@@ -1195,6 +1221,7 @@ impl TaskStore {
                 .db
                 .query(&TASK_OWNERS)
                 .bind(List(chunk))
+                .planned_each_time()
                 .fetch_all()
                 .await?;
             owners.extend(rows);
@@ -1295,8 +1322,10 @@ mod tests {
     #[test]
     fn the_statements_come_from_the_one_column_list() {
         assert_eq!(COLUMNS.len(), 31);
-        let upsert = PG_UPSERT_TASKS.as_str();
-        assert!(upsert.contains("$31::int8[]") && !upsert.contains("$32"));
+        let upsert = PG_WRITE_GROUP.as_str();
+        // The lease's four parameters, then the tasks' 31 columns, then the other tables'.
+        assert!(upsert.contains("$5::text[]") && upsert.contains("$35::int8[]"));
+        assert!(upsert.contains("$48::int8") && !upsert.contains("$49"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(
