@@ -45,15 +45,15 @@ pub struct InboundFrame {
     pub frame: ClientMessage,
 }
 
-/// `sessions.acks.{replica}`: a gateway wrote a frame from the session service's outbox to its
-/// client's socket (or had written it before). Until it hears this, the session service keeps
-/// the frame and sends it again.
+/// `sessions.acks.{replica}`: a gateway wrote these frames from the session service's outbox
+/// to their clients' sockets (or had written them before). Until it hears this, the session
+/// service keeps a frame and sends it again. A gateway sends what it wrote meanwhile together.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct DeliveryAck {
     /// Always 1.
     pub version: V1,
-    /// The frame's `Nats-Msg-Id`.
-    pub msg_id: String,
+    /// The frames' `Nats-Msg-Id`s (at least one, at most 1,000).
+    pub msg_ids: Vec<String>,
 }
 
 /// A registered connection ended.

@@ -9,6 +9,7 @@
 //! [`Application::run_until`] serves until the given shutdown future completes, then closes
 //! every socket with 1001 so clients reconnect elsewhere.
 
+pub mod acks;
 pub mod auth;
 mod client;
 pub mod connection;
@@ -60,6 +61,8 @@ pub struct AppState {
     pub registry: aip_bus::registry::RegistryClient,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
+    /// Where connections queue the acknowledgements of the frames they wrote.
+    pub acks: acks::DeliveryAcks,
     /// Who may connect.
     pub credentials: Credentials,
     /// Registered connections, for presence.
@@ -139,6 +142,7 @@ impl Application {
             );
         }
         let _ = tokio::time::timeout(grace, presence).await;
+        let _ = tokio::time::timeout(grace, state.acks.flush()).await;
         if let Err(e) = state.bus.flush().await {
             tracing::warn!("could not flush the bus: {e}");
         }
@@ -231,6 +235,7 @@ impl runner::Service for Application {
             settings,
             gateway_id,
             blobs: aip_bus::BlobStore::for_subjects(&subjects),
+            acks: acks::DeliveryAcks::start(bus.clone()),
             bus,
             subjects,
             credentials,

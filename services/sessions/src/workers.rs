@@ -493,7 +493,7 @@ pub async fn run_ack_listener(
             return;
         };
         match serde_json::from_slice::<proto_schemas::sessions::DeliveryAck>(&message.payload) {
-            Ok(ack) => engine.mark_published([ack.msg_id]),
+            Ok(ack) => engine.mark_published(ack.msg_ids),
             Err(e) => {
                 tracing::warn!(subject = %message.subject, "not a delivery acknowledgement, ignored: {e}")
             }

@@ -273,7 +273,7 @@ async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(back
     for id in seen.keys() {
         let ack = DeliveryAck {
             version: V1,
-            msg_id: id.clone(),
+            msg_ids: vec![id.clone()],
         };
         stack
             .bus

@@ -4,8 +4,7 @@
 
 use aip_bus::{Headers, Message as BusMessage, names};
 use bytes::Bytes;
-use proto_schemas::sessions::DeliveryAck;
-use proto_schemas::{ErrorCode, V1, server};
+use proto_schemas::{ErrorCode, server};
 
 use crate::client::{Client, End};
 use crate::connection::close;
@@ -54,7 +53,8 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
 }
 
 /// Tells the sender that asked (`Aip-Ack`) that the frame is written, so it stops re-sending
-/// it. A lost acknowledgement costs a re-send, which is dropped as a duplicate above.
+/// it (gathered with the gateway's other acknowledgements, [`crate::acks`]). A lost
+/// acknowledgement costs a re-send, which is dropped as a duplicate above.
 async fn acknowledge(client: &Client, message: &BusMessage) {
     let (Some(subject), Some(msg_id)) = (
         message.headers.get(names::ACK),
@@ -62,28 +62,7 @@ async fn acknowledge(client: &Client, message: &BusMessage) {
     ) else {
         return;
     };
-    let ack = DeliveryAck {
-        version: V1,
-        msg_id: msg_id.to_owned(),
-    };
-    let payload = match serde_json::to_vec(&ack) {
-        Ok(payload) => payload,
-        Err(e) => {
-            tracing::error!("a delivery acknowledgement could not be encoded: {e}");
-            return;
-        }
-    };
-    if let Err(e) = client
-        .state
-        .bus
-        .publish(subject.to_owned(), Headers::new(), payload.into())
-        .await
-    {
-        tracing::debug!(
-            msg_id,
-            "delivery acknowledgement not sent (the frame comes again): {e}"
-        );
-    }
+    client.state.acks.ack(subject, msg_id).await;
 }
 
 /// Another gateway asks, for one of its constellations, about the device this connection
