@@ -168,6 +168,23 @@ pub struct GetAgent {
 /// The `registry.get` reply (error `NOT_FOUND` for an unknown id).
 pub type GetAgentReply = Reply<AgentRecord>;
 
+/// `registry.get_many`: several agents by id in one request (a session replica resolves the
+/// targets of the tasks it reads together).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GetAgents {
+    /// Always 1.
+    pub version: V1,
+    /// The agents' ids (at most [`MAX_GET_MANY`]; repeated ids are answered once).
+    pub agent_ids: Vec<String>,
+}
+
+/// Ids per `registry.get_many` request at most.
+pub const MAX_GET_MANY: usize = 1000;
+
+/// The `registry.get_many` reply: the agents found, in no particular order (an unknown id is
+/// absent; more than [`MAX_GET_MANY`] ids is refused with `INVALID_REQUEST`).
+pub type GetAgentsReply = Reply<Vec<AgentRecord>>;
+
 /// `registry.lookup`: available, live agents with every listed capability.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct LookupAgents {

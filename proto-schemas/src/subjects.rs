@@ -213,7 +213,19 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         reply: Some("GetAgentReply"),
         publishers: &["aip-gateway", "aip-sessions"],
         consumers: &["aip-registry (queue group `aip-registry`)"],
-        description: "One agent by id (device info requests, explicit task targets).",
+        description: "One agent by id (device info for a device connected nowhere; the target of \
+            a task submitted over REST or NATS).",
+    },
+    SubjectSpec {
+        name: "registry.get_many",
+        template: "registry.get_many",
+        pattern: Pattern::RequestReply,
+        payload: "GetAgents",
+        reply: Some("GetAgentsReply"),
+        publishers: &["aip-sessions"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "Several agents by id: the explicit targets of the tasks a session replica \
+            read together, resolved in one request.",
     },
     SubjectSpec {
         name: "registry.lookup",
@@ -348,6 +360,11 @@ impl Subjects {
     /// `registry.get`.
     pub fn registry_get(&self) -> String {
         self.join("registry.get")
+    }
+
+    /// `registry.get_many`.
+    pub fn registry_get_many(&self) -> String {
+        self.join("registry.get_many")
     }
 
     /// `registry.lookup`.

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use proto_schemas::registry::{
-    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, LookupAgents, RegisterAgent,
+    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents, LookupAgents, RegisterAgent,
     Registered, Reply, UnregisterAgent, Unregistered,
 };
 use proto_schemas::{ErrorBody, ErrorCode, Subjects, V1};
@@ -123,6 +123,17 @@ impl RegistryClient {
             agent_id: agent_id.to_owned(),
         };
         self.request(self.subjects.registry_get(), &request).await
+    }
+
+    /// `registry.get_many`: the agents among `agent_ids` that exist (at most
+    /// [`proto_schemas::registry::MAX_GET_MANY`] ids), in no particular order.
+    pub async fn get_many(&self, agent_ids: &[String]) -> Result<Vec<AgentRecord>, RegistryError> {
+        let request = GetAgents {
+            version: V1,
+            agent_ids: agent_ids.to_vec(),
+        };
+        self.request(self.subjects.registry_get_many(), &request)
+            .await
     }
 
     /// `registry.lookup`: available, live agents with the capabilities, least loaded first.

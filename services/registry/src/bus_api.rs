@@ -1,7 +1,7 @@
 //! The registry's request/reply subjects on the bus.
 //!
 //! Each subject (`registry.register`, `registry.unregister`, `registry.get`,
-//! `registry.lookup`, `registry.gateway_started`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
+//! `registry.get_many`, `registry.lookup`, `registry.gateway_started`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
 //! work. Every request runs in its own task, holding a permit of one semaphore shared by all
 //! subjects: at most `max_in_flight` requests at once, and the subscription is not read while
 //! none is free (NATS buffers, then drops as a slow consumer; the caller times out and retries).
@@ -31,6 +31,7 @@ pub struct RequestSubscriptions {
     register: Subscription,
     unregister: Subscription,
     get: Subscription,
+    get_many: Subscription,
     lookup: Subscription,
     gateway_started: Subscription,
 }
@@ -48,6 +49,9 @@ impl RequestSubscriptions {
                 .await?,
             get: bus
                 .queue_subscribe(subjects.registry_get(), group())
+                .await?,
+            get_many: bus
+                .queue_subscribe(subjects.registry_get_many(), group())
                 .await?,
             lookup: bus
                 .queue_subscribe(subjects.registry_lookup(), group())
@@ -101,6 +105,16 @@ impl RequestSubscriptions {
             async move { r.get(req).await }
         });
         let r = registry.clone();
+        let get_many = serve(
+            "registry.get_many",
+            self.get_many,
+            ctx.clone(),
+            move |req| {
+                let r = r.clone();
+                async move { r.get_many(req).await }
+            },
+        );
+        let r = registry.clone();
         let lookup = serve("registry.lookup", self.lookup, ctx.clone(), move |req| {
             let r = r.clone();
             async move { r.lookup(req).await }
@@ -115,7 +129,7 @@ impl RequestSubscriptions {
                 async move { r.gateway_started(req).await }
             },
         );
-        tokio::join!(register, unregister, get, lookup, gateway_started);
+        tokio::join!(register, unregister, get, get_many, lookup, gateway_started);
     }
 }
 

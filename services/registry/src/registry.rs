@@ -1,6 +1,6 @@
 //! The registry's rules, above any bus and any database.
 //!
-//! [`Registry`] answers the four requests (register, unregister, get, lookup) with the
+//! [`Registry`] answers the requests (register, unregister, get, get_many, lookup) with the
 //! payloads of `proto_schemas::registry`, refusing with an [`ErrorBody`] whose code and text
 //! are what the gateway forwards to the client. The admission rule for a registration,
 //! [`admit`], is a pure function the store runs inside its transaction. Registrations and
@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use proto_schemas::registry::{
-    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, LookupAgents, RegisterAgent,
-    Registered, UnregisterAgent, Unregistered,
+    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents, LookupAgents,
+    MAX_GET_MANY, RegisterAgent, Registered, UnregisterAgent, Unregistered,
 };
 use proto_schemas::{ClientType, ErrorBody, ErrorCode};
 
@@ -168,6 +168,27 @@ impl Registry {
         Ok(GatewayStartedAck {
             ended: u32::try_from(ended.len()).unwrap_or(u32::MAX),
         })
+    }
+
+    /// `registry.get_many`: the agents among the ids that exist (an unknown id is absent),
+    /// in one read; more than [`MAX_GET_MANY`] ids is refused.
+    pub async fn get_many(&self, request: GetAgents) -> Result<Vec<AgentRecord>, ErrorBody> {
+        if request.agent_ids.len() > MAX_GET_MANY {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "agent_ids holds {} ids; at most {MAX_GET_MANY} per request",
+                    request.agent_ids.len()
+                ),
+            ));
+        }
+        let mut ids = request.agent_ids;
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.store.get_many(&ids).await.map_err(store_failure)
     }
 
     /// `registry.get`: one agent, `NOT_FOUND` if never registered.

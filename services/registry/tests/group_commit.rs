@@ -82,6 +82,12 @@ impl AgentStore for GatedStore {
     ) -> BoxFuture<'a, Result<Option<proto_schemas::registry::AgentRecord>, StoreError>> {
         self.inner.get(agent_id)
     }
+    fn get_many<'a>(
+        &'a self,
+        agent_ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<proto_schemas::registry::AgentRecord>, StoreError>> {
+        self.inner.get_many(agent_ids)
+    }
     fn lookup<'a>(
         &'a self,
         query: &'a store::LookupQuery,

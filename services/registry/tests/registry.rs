@@ -10,12 +10,15 @@ use std::time::Duration;
 use aip_testkit::{Backend, WAIT, both_backends, wait_until, within};
 use common::{Options, TestApp, constellation, device, publish_presence};
 use futures::StreamExt;
-use proto_schemas::registry::{AgentRecord, AgentStatus, Registered, Reply};
-use proto_schemas::{ClientType, ErrorCode, Extension, McpToolInfo};
+use proto_schemas::registry::{
+    AgentRecord, AgentStatus, GetAgents, MAX_GET_MANY, Registered, Reply,
+};
+use proto_schemas::{ClientType, ErrorCode, Extension, McpToolInfo, V1};
 use serde_json::{Value, json};
 
 both_backends!(
     register_get_and_lookup,
+    get_many_answers_the_known_ids_in_one_request,
     lookup_offers_only_available_live_agents_least_loaded_first,
     duplicate_live_id_is_refused_with_ufo_text,
     same_principal_takes_over_its_registration,
@@ -89,6 +92,55 @@ async fn register_get_and_lookup(backend: Backend) {
             .await
             .is_empty()
     );
+    app.stop().await;
+}
+
+async fn get_many_answers_the_known_ids_in_one_request(backend: Backend) {
+    let app = TestApp::spawn(backend, Options::default()).await;
+    for (id, conn) in [("pc-a", "conn-a"), ("pc-b", "conn-b")] {
+        app.register(&device(id, "gw-1", conn, "alice"))
+            .await
+            .expect("registered");
+    }
+    app.register(&constellation("galaxy", None, "gw-1", "conn-g"))
+        .await
+        .expect("registered");
+    let get_many = |ids: Vec<String>| {
+        let app = &app;
+        async move {
+            let request = GetAgents {
+                version: V1,
+                agent_ids: ids,
+            };
+            app.call::<_, Vec<AgentRecord>>(app.subjects.registry_get_many(), &request)
+                .await
+        }
+    };
+    let ids = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+
+    let mut found = get_many(ids(&["pc-b", "nobody", "galaxy", "pc-b", "pc-a"]))
+        .await
+        .expect("answered");
+    found.sort_by(|a, b| a.agent_id.cmp(&b.agent_id));
+    let found: Vec<(&str, ClientType, &str)> = found
+        .iter()
+        .map(|a| (a.agent_id.as_str(), a.client_type, a.connection_id.as_str()))
+        .collect();
+    assert_eq!(
+        found,
+        [
+            ("galaxy", ClientType::Constellation, "conn-g"),
+            ("pc-a", ClientType::Device, "conn-a"),
+            ("pc-b", ClientType::Device, "conn-b"),
+        ],
+        "each known id once, the unknown one absent"
+    );
+    assert_eq!(get_many(vec![]).await.expect("answered"), []);
+
+    let too_many = (0..=MAX_GET_MANY).map(|i| format!("id-{i}")).collect();
+    let refused = get_many(too_many).await.expect_err("over the limit");
+    assert_eq!(refused.error_code, ErrorCode::InvalidRequest);
+    assert!(refused.detail.contains("at most 1000"), "{}", refused.detail);
     app.stop().await;
 }
 

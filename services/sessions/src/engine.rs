@@ -15,13 +15,14 @@
 //! (their `/readyz` is not ready, so a load balancer sends changes to the leader), and take
 //! over within `standby_retry_ms` once the leader's connection is gone.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use aip_bus::registry::{RegistryClient, RegistryError};
 use aip_bus::{Headers, SharedBus};
-use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents};
+use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents, MAX_GET_MANY};
 use proto_schemas::server;
 use proto_schemas::sessions::{InboundFrame, PlanStep};
 use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, V1};
@@ -465,8 +466,8 @@ impl Engine {
 
     /// Prepares the `task` frames of a chunk of stream messages together: each frame's task
     /// (UFO's rules for who may ask what), its executor candidates (registry requests run
-    /// concurrently) and, in one database read for the whole chunk, the owners of the task
-    /// ids that are taken.
+    /// concurrently) and, in one database read for the whole chunk that runs beside them, the
+    /// owners of the task ids that are taken.
     pub async fn prepare_frames(&self, frames: &[&InboundFrame]) -> Vec<TaskFrame> {
         let planned: Vec<(Option<String>, Result<NewTask, ErrorBody>)> =
             frames.iter().map(|f| task_of_frame(f)).collect();
@@ -474,15 +475,35 @@ impl Engine {
             .iter()
             .filter_map(|(_, new)| new.as_ref().ok()?.task_id.clone())
             .collect();
-        let owners = if ids.is_empty() {
-            Ok(Default::default())
-        } else {
-            self.store.owners(&ids).await
+        // The database read and the registry requests run at the same time.
+        let owners = async {
+            if ids.is_empty() {
+                Ok(Default::default())
+            } else {
+                self.store.owners(&ids).await
+            }
         };
-        let resolved = futures::future::join_all(planned.iter().map(|(_, new)| async move {
-            match new {
-                Ok(new) => self.resolve(new).await,
-                Err(e) => Err(e.clone()),
+        let targets = self.targets(planned.iter().filter_map(|(_, new)| {
+            match &new.as_ref().ok()?.placement {
+                Placement::Target(target) => Some(target.clone()),
+                Placement::Capabilities(_) => None,
+            }
+        }));
+        let (owners, targets) = tokio::join!(owners, targets);
+        let resolved = futures::future::join_all(planned.iter().map(|(_, new)| {
+            let targets = &targets;
+            async move {
+                let new = new.as_ref().map_err(Clone::clone)?;
+                match &new.placement {
+                    Placement::Target(target) => {
+                        let found = targets
+                            .as_ref()
+                            .map(|found| found.get(target.as_str()).cloned())
+                            .map_err(Clone::clone);
+                        judge_target(new, target, found)
+                    }
+                    Placement::Capabilities(_) => self.resolve(new).await,
+                }
             }
         }))
         .await;
@@ -510,37 +531,37 @@ impl Engine {
             .collect()
     }
 
+    /// The registry's records of the explicit targets of a chunk's tasks, in one request per
+    /// [`MAX_GET_MANY`] ids (an unknown id is absent), or why the registry could not say.
+    async fn targets(
+        &self,
+        targets: impl Iterator<Item = String>,
+    ) -> Result<HashMap<String, AgentRecord>, ErrorBody> {
+        let mut ids: Vec<String> = targets.collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut found = HashMap::with_capacity(ids.len());
+        for chunk in ids.chunks(MAX_GET_MANY) {
+            let agents = self
+                .patiently(|| self.registry.get_many(chunk))
+                .await
+                .map_err(RegistryError::into_error_body)?;
+            found.extend(agents.into_iter().map(|a| (a.agent_id.clone(), a)));
+        }
+        Ok(found)
+    }
+
     /// Finds the executor candidates: an explicit target must be an online device; otherwise
     /// the registry's available agents with the capabilities.
     async fn resolve(&self, new: &NewTask) -> Result<Vec<AgentRecord>, ErrorBody> {
         match &new.placement {
             Placement::Target(target) => {
-                let constellation = matches!(
-                    new.requester,
-                    Requester::Client {
-                        client_type: ClientType::Constellation,
-                        ..
-                    }
-                );
-                let not_connected = if constellation {
-                    format!("Target device '{target}' is not connected")
-                } else {
-                    format!("Device '{target}' is not connected")
-                };
-                match self.patiently(|| self.registry.get(target)).await {
-                    Ok(agent) if agent.status == AgentStatus::Offline => {
-                        Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
-                    }
-                    Ok(agent) if agent.client_type != ClientType::Device => Err(ErrorBody::new(
-                        ErrorCode::DeviceNotFound,
-                        "Constellation tasks may only target device clients",
-                    )),
-                    Ok(agent) => Ok(vec![agent]),
-                    Err(RegistryError::Refused(_)) => {
-                        Err(ErrorBody::new(ErrorCode::DeviceNotFound, not_connected))
-                    }
+                let found = match self.patiently(|| self.registry.get(target)).await {
+                    Ok(agent) => Ok(Some(agent)),
+                    Err(RegistryError::Refused(_)) => Ok(None),
                     Err(e) => Err(e.into_error_body()),
-                }
+                };
+                judge_target(new, target, found)
             }
             Placement::Capabilities(capabilities) => {
                 let lookup = LookupAgents {
@@ -694,6 +715,39 @@ impl Engine {
 /// The task a client `task` frame asks for, by UFO's rules (a constellation names its target
 /// device; a device may only target itself), and for a device's frame with a task name the
 /// name of the UFO dispatch it may echo.
+/// The executor of a task with an explicit target, from what the registry knows of it
+/// (`None`: nothing): it must be a device that is not offline.
+fn judge_target(
+    new: &NewTask,
+    target: &str,
+    found: Result<Option<AgentRecord>, ErrorBody>,
+) -> Result<Vec<AgentRecord>, ErrorBody> {
+    let constellation = matches!(
+        new.requester,
+        Requester::Client {
+            client_type: ClientType::Constellation,
+            ..
+        }
+    );
+    let not_connected = || {
+        let text = if constellation {
+            format!("Target device '{target}' is not connected")
+        } else {
+            format!("Device '{target}' is not connected")
+        };
+        ErrorBody::new(ErrorCode::DeviceNotFound, text)
+    };
+    match found? {
+        None => Err(not_connected()),
+        Some(agent) if agent.status == AgentStatus::Offline => Err(not_connected()),
+        Some(agent) if agent.client_type != ClientType::Device => Err(ErrorBody::new(
+            ErrorCode::DeviceNotFound,
+            "Constellation tasks may only target device clients",
+        )),
+        Some(agent) => Ok(vec![agent]),
+    }
+}
+
 fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, ErrorBody>) {
     let frame = &inbound.frame;
     let target = frame.target_id.clone().filter(|t| !t.is_empty());

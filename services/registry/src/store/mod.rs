@@ -78,6 +78,13 @@ impl AgentStore for SqlAgentStore {
         self.agent(agent_id).boxed()
     }
 
+    fn get_many<'a>(
+        &'a self,
+        agent_ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>> {
+        self.agents_by_id(agent_ids).boxed()
+    }
+
     fn lookup<'a>(
         &'a self,
         query: &'a LookupQuery,
@@ -165,6 +172,12 @@ pub trait AgentStore: Send + Sync + 'static {
         &'a self,
         agent_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<AgentRecord>, StoreError>>;
+
+    /// The agents among `agent_ids` that exist, whatever their status, in one read.
+    fn get_many<'a>(
+        &'a self,
+        agent_ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<AgentRecord>, StoreError>>;
 
     /// Live, available agents of a type having every capability asked for: least loaded
     /// first, then most recently seen, then by id.

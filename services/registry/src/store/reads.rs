@@ -2,7 +2,7 @@
 
 use std::sync::LazyLock;
 
-use aip_store::Sql;
+use aip_store::{List, Sql};
 use proto_schemas::registry::{AgentRecord, AgentStatus};
 use sqlx::types::Json;
 
@@ -25,6 +25,16 @@ static LIVE_DEVICE: LazyLock<Sql> = LazyLock::new(|| {
 
 static AGENT: LazyLock<Sql> = LazyLock::new(|| {
     Sql::render(|_| format!("SELECT {AGENT_COLUMNS} FROM agents a WHERE a.agent_id = $1"))
+});
+
+/// The agents whose ids are in the list `$1`.
+static AGENTS_BY_ID: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "SELECT {AGENT_COLUMNS} FROM agents a WHERE {ids}",
+            ids = b.in_list("a.agent_id", 1)
+        )
+    })
 });
 
 /// Live, available agents of type `$1` having every capability of `$2`; `$3` and `$4` are
@@ -85,6 +95,20 @@ impl SqlAgentStore {
             .fetch_optional()
             .await?;
         row.map(AgentRow::into_record).transpose()
+    }
+
+    pub(super) async fn agents_by_id(
+        &self,
+        agent_ids: &[String],
+    ) -> Result<Vec<AgentRecord>, StoreError> {
+        let rows: Vec<AgentRow> = self
+            .db
+            .query(&AGENTS_BY_ID)
+            .bind(List(agent_ids))
+            .planned_each_time()
+            .fetch_all()
+            .await?;
+        rows.into_iter().map(AgentRow::into_record).collect()
     }
 
     pub(super) async fn live_agents(
