@@ -12,7 +12,8 @@
 #
 # Results: bench/results/distributed-<N>gw/ (bench/results-quick/... with BENCH_QUICK=1).
 # Environment: see bench/matrix.sh and bench/lib.sh (BENCH_NATS_URL, BENCH_PG_HOST, ...),
-# BENCH_RUST_LOG (default info).
+# BENCH_RUST_LOG (default info), BENCH_COMMAND (a measurement to run instead of
+# bench/matrix.sh, with the same arguments: e.g. "bench/large_result.py").
 set -euo pipefail
 # shellcheck source=bench/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -22,7 +23,7 @@ while (($#)); do
   case "$1" in
     --gateways) GATEWAYS="${2:-}"; shift 2 || { echo "--gateways needs a value" >&2; exit 2; } ;;
     --gateways=*) GATEWAYS="${1#*=}"; shift ;;
-    -h | --help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "distributed.sh: unknown argument $1 (usage: bench/distributed.sh [--gateways 1|2])" >&2; exit 2 ;;
   esac
 done
@@ -85,6 +86,9 @@ PY
 
 PID_ARGS=()
 for pid in "${PIDS[@]}"; do PID_ARGS+=(--pid "$pid"); done
-run_tracked "bench/matrix.sh ($MODE)" "$BENCH_DIR/matrix.sh" --mode "$MODE" --dir "$DIR" \
+# BENCH_COMMAND runs another measurement against the same broker, given matrix.sh's arguments.
+RUNNER=("$BENCH_DIR/matrix.sh")
+if [[ -n "${BENCH_COMMAND:-}" ]]; then read -r -a RUNNER <<<"$BENCH_COMMAND"; fi
+run_tracked "${RUNNER[*]} ($MODE)" "${RUNNER[@]}" --mode "$MODE" --dir "$DIR" \
   "${URL_ARGS[@]}" --rest "http://127.0.0.1:$SESSIONS_PORT" "${PID_ARGS[@]}" --infra-db "$BENCH_DB"
 log "$MODE: done; results in $DIR"
