@@ -163,6 +163,13 @@ impl Database {
                 let pool = PgPoolOptions::new()
                     .max_connections(options.max_connections)
                     .acquire_timeout(options.acquire_timeout)
+                    .after_release(|conn, _| {
+                        // A connection's buffers grow to the largest statement or row it
+                        // carried (a 90 MiB result) and keep that size; a pooled connection
+                        // goes back to the default size when it is returned.
+                        sqlx::Connection::shrink_buffers(conn);
+                        Box::pin(async { Ok(true) })
+                    })
                     .connect_with(connect)
                     .await
                     .map_err(|source| DatabaseError::Connect {

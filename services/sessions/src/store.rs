@@ -956,6 +956,16 @@ async fn write_pg(
             source,
         })?;
     let o = &batch.outbox;
+    let bytes = rows
+        .iter()
+        .flatten()
+        .map(|cell| match cell {
+            Cell::Text(Some(text)) => text.len(),
+            _ => 8,
+        })
+        .chain(data.iter().map(|d| d.as_ref().map_or(0, String::len)))
+        .chain(o.iter().map(|f| f.payload.len()))
+        .sum::<usize>();
     let renewed = q
         .bind(e.iter().map(|e| e.task_id.as_str()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.seq).collect::<Vec<_>>())
@@ -970,14 +980,22 @@ async fn write_pg(
         .bind(o.iter().map(|f| f.payload.as_ref()).collect::<Vec<&[u8]>>())
         .bind(&batch.published)
         .bind(batch.prune_processed_before)
-        .fetch_one(conn)
+        .fetch_one(&mut *conn)
         .await?;
     if renewed != 1 {
         return Err(term.lost());
     }
     term.renewed = started;
+    if bytes > LARGE_GROUP_BYTES {
+        // The connection's buffers grew to this statement's size and would keep it.
+        sqlx::Connection::shrink_buffers(conn);
+    }
     Ok(())
 }
+
+/// A group whose statement carries more than this leaves the leader's connection with its
+/// buffers shrunk back to their default size.
+const LARGE_GROUP_BYTES: usize = 1 << 20;
 
 impl Writer {
     /// Writes a batch in one transaction: all of it, or (on error) none of it.
