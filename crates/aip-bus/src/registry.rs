@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use proto_schemas::registry::{
-    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents, LookupAgents, RegisterAgent,
-    Registered, Reply, UnregisterAgent, Unregistered,
+    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents, LookupAgents,
+    RegisterAgent, Registered, Reply, UnregisterAgent, Unregistered,
 };
 use proto_schemas::{ErrorBody, ErrorCode, Subjects, V1};
 use serde::Serialize;

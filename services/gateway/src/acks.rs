@@ -44,7 +44,10 @@ impl DeliveryAcks {
             msg_id: msg_id.to_owned(),
         };
         if self.queue.send(queued).await.is_err() {
-            tracing::debug!(msg_id, "delivery acknowledgement not sent: the gateway stops");
+            tracing::debug!(
+                msg_id,
+                "delivery acknowledgement not sent: the gateway stops"
+            );
         }
     }
 

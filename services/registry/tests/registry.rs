@@ -140,7 +140,11 @@ async fn get_many_answers_the_known_ids_in_one_request(backend: Backend) {
     let too_many = (0..=MAX_GET_MANY).map(|i| format!("id-{i}")).collect();
     let refused = get_many(too_many).await.expect_err("over the limit");
     assert_eq!(refused.error_code, ErrorCode::InvalidRequest);
-    assert!(refused.detail.contains("at most 1000"), "{}", refused.detail);
+    assert!(
+        refused.detail.contains("at most 1000"),
+        "{}",
+        refused.detail
+    );
     app.stop().await;
 }
 

@@ -483,12 +483,13 @@ impl Engine {
                 self.store.owners(&ids).await
             }
         };
-        let targets = self.targets(planned.iter().filter_map(|(_, new)| {
-            match &new.as_ref().ok()?.placement {
-                Placement::Target(target) => Some(target.clone()),
-                Placement::Capabilities(_) => None,
-            }
-        }));
+        let targets =
+            self.targets(planned.iter().filter_map(
+                |(_, new)| match &new.as_ref().ok()?.placement {
+                    Placement::Target(target) => Some(target.clone()),
+                    Placement::Capabilities(_) => None,
+                },
+            ));
         let (owners, targets) = tokio::join!(owners, targets);
         let resolved = futures::future::join_all(planned.iter().map(|(_, new)| {
             let targets = &targets;

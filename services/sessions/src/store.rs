@@ -330,12 +330,8 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
         next += 1;
         format!("${next}::{ty}")
     };
-    let (name, holder, duration, term) = (
-        param("text"),
-        param("text"),
-        param("int8"),
-        param("int8"),
-    );
+    let (name, holder, duration, term) =
+        (param("text"), param("text"), param("int8"), param("int8"));
     let task_select: Vec<String> = COLUMNS
         .iter()
         .map(|c| match c.kind {
