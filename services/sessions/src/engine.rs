@@ -713,9 +713,6 @@ impl Engine {
     }
 }
 
-/// The task a client `task` frame asks for, by UFO's rules (a constellation names its target
-/// device; a device may only target itself), and for a device's frame with a task name the
-/// name of the UFO dispatch it may echo.
 /// The executor of a task with an explicit target, from what the registry knows of it
 /// (`None`: nothing): it must be a device that is not offline.
 fn judge_target(
@@ -749,6 +746,9 @@ fn judge_target(
     }
 }
 
+/// The task a client `task` frame asks for, by UFO's rules (a constellation names its target
+/// device; a device may only target itself), and for a device's frame with a task name the
+/// name of the UFO dispatch it may echo.
 fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, ErrorBody>) {
     let frame = &inbound.frame;
     let target = frame.target_id.clone().filter(|t| !t.is_empty());
