@@ -184,6 +184,20 @@ impl Platform {
 }
 
 wire_enum! {
+    /// Who decides the steps of a task that carries none: `planner` on a TaskRequest, a
+    /// dispatch, or a `task` frame's `metadata`. Absent: the session service's configured
+    /// default.
+    pub enum PlannerName {
+        /// A planner process answering `planner.next` on NATS.
+        Nats = "nats",
+        /// A planner behind an HTTP URL: the session service POSTs each PlanRequest to it.
+        Http = "http",
+        /// The built-in tool-calling agent, on an OpenAI-compatible chat-completions endpoint.
+        Llm = "llm",
+    }
+}
+
+wire_enum! {
     /// Optional protocol features beyond UFO's, announced by a client in REGISTER
     /// `metadata.aip_extensions` and confirmed by the server in the registration heartbeat's
     /// `result.aip_extensions`. Extension frames go only to clients that announced them.

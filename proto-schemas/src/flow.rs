@@ -7,6 +7,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::enums::PlannerName;
 use crate::error::ErrorCode;
 use crate::frames::Command;
 use crate::version::V1;
@@ -55,6 +56,9 @@ pub struct TaskRequest {
     /// `POST /api/tasks/{id}/commands` and ends the task with `POST /api/tasks/{id}/complete`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub driver: bool,
+    /// Who plans a task without `steps` (default: the session service's configured one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<PlannerName>,
     /// Fail with TASK_TIMEOUT after this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,

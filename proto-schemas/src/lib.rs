@@ -37,7 +37,7 @@ pub mod validate;
 pub mod version;
 
 pub use enums::{
-    ClientMessageType, ClientType, Extension, Platform, ResultStatus, ServerMessageType,
+    ClientMessageType, ClientType, Extension, Platform, PlannerName, ResultStatus, ServerMessageType,
     TaskStatus, ToolType,
 };
 pub use error::{ErrorBody, ErrorCode};

@@ -96,6 +96,43 @@ pub struct DevArgs {
     /// Configuration file (TOML or JSON) with [gateway], [registry] and [sessions] sections.
     #[arg(long, env = "AIP_CONFIG")]
     pub config: Option<PathBuf>,
+    /// The planner of tasks without steps that name none (default: `http` with
+    /// --planner-url, else `llm` with a model endpoint, else `nats`).
+    #[arg(long, value_enum)]
+    pub planner: Option<PlannerArg>,
+    /// An HTTP planner: each step's PlanRequest is POSTed here, the answer is a PlanReply
+    /// (examples/http_planner.py). Sign the requests with AIP_SESSIONS__PLANNER__SECRET.
+    #[arg(long, value_name = "URL")]
+    pub planner_url: Option<String>,
+    /// The built-in agent's OpenAI-compatible endpoint, e.g. http://127.0.0.1:11434/v1
+    /// (Ollama); its key comes from OPENAI_API_KEY.
+    #[arg(long, value_name = "URL", env = "OPENAI_BASE_URL")]
+    pub llm_base_url: Option<String>,
+    /// The model the built-in agent asks.
+    #[arg(long, value_name = "NAME", env = "AIP_LLM_MODEL")]
+    pub llm_model: Option<String>,
+}
+
+/// A planner by name (`--planner`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlannerArg {
+    /// A planner process on NATS (`planner.next`; needs --nats-url).
+    Nats,
+    /// The HTTP planner at --planner-url.
+    Http,
+    /// The built-in tool-calling agent.
+    Llm,
+}
+
+impl PlannerArg {
+    /// The wire value.
+    pub fn planner(self) -> proto_schemas::PlannerName {
+        match self {
+            PlannerArg::Nats => proto_schemas::PlannerName::Nats,
+            PlannerArg::Http => proto_schemas::PlannerName::Http,
+            PlannerArg::Llm => proto_schemas::PlannerName::Llm,
+        }
+    }
 }
 
 /// The platform a device announces; it decides which UFO agent the broker names in commands.
@@ -169,8 +206,9 @@ pub struct RestArgs {
     group(ArgGroup::new("placement").required(true).args(["target", "capabilities"])),
     after_help = "Steps: each --step is one round of Commands sent to the device (a JSON list of \
         Commands, or one Command object); each --tool NAME [--args JSON] is a one-Command step \
-        (tool_type action). They run in the order given. Without steps the broker asks a remote \
-        planner on the bus (`aip dev --nats-url …` and e.g. examples/python_planner.py).\n\n\
+        (tool_type action). They run in the order given. Without steps the broker's planner decides \
+        them: --planner, or the broker's default (`aip dev --planner-url …`, `--llm-base-url …`, \
+        or a planner on NATS).\n\n\
         Exit codes: 0 the task completed; 1 it failed, was canceled or rejected; 2 bad \
         arguments; 3 the broker is not reachable or refused the task; 130 you stopped following \
         with Ctrl-C (the task goes on).\n\n\
@@ -200,6 +238,9 @@ pub struct DispatchArgs {
     /// Structured input for the task (JSON), passed to the planner.
     #[arg(long, value_name = "JSON")]
     pub data: Option<String>,
+    /// Who plans a task given without steps (default: the broker's).
+    #[arg(long, value_enum)]
+    pub planner: Option<PlannerArg>,
     /// Higher runs first when the agent is busy.
     #[arg(long)]
     pub priority: Option<i32>,

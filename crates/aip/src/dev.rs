@@ -89,6 +89,8 @@ pub struct DevInfo {
     pub database: String,
     /// The bus, in words.
     pub bus: String,
+    /// The default planner, in words.
+    pub planner: String,
 }
 
 /// A built broker, bound and ready to run.
@@ -241,6 +243,18 @@ impl DevServer {
         sessions.sessions.listen = addr;
         sessions.sessions.api_keys = args.api_keys.clone();
         sessions.sessions.allow_no_auth = args.allow_no_auth;
+        if let Some(planner) = args.planner {
+            sessions.sessions.planner.default = Some(planner.planner());
+        }
+        if let Some(url) = &args.planner_url {
+            sessions.sessions.planner.url = Some(url.clone());
+        }
+        if let Some(url) = &args.llm_base_url {
+            sessions.sessions.llm.base_url = Some(url.clone());
+        }
+        if let Some(model) = &args.llm_model {
+            sessions.sessions.llm.model = model.clone();
+        }
         let sessions = aip_sessions::Application::build_with(
             sessions,
             bus.clone(),
@@ -289,6 +303,7 @@ impl DevServer {
             data_dir,
             database: aip_store::mask_url(&database_url),
             bus: bus_text,
+            planner: sessions.engine().planners().describe(),
         };
         Ok(DevServer {
             listener,
@@ -419,6 +434,7 @@ pub fn banner(info: &DevInfo) -> String {
          \x20 WebSocket  {ws}\n{ufo}\
          \x20 REST       {rest_url}/api  (OpenAPI: {rest_url}/openapi.json)\n\
          \x20 bus        {bus}\n\
+         \x20 planner    {planner}\n\
          \x20 database   {database}\n\
          {data_dir}\
          \n\
@@ -430,6 +446,7 @@ pub fn banner(info: &DevInfo) -> String {
         ws = info.ws_url,
         rest_url = info.rest_url,
         bus = info.bus,
+        planner = info.planner,
         database = info.database,
         data_dir = info
             .data_dir
@@ -477,8 +494,10 @@ mod tests {
             data_dir: Some("/tmp/x".into()),
             database: "sqlite:///tmp/x/aip.db".into(),
             bus: "in-process".into(),
+            planner: "llm, model m at http://127.0.0.1:11434/v1/chat/completions".into(),
         };
         let text = banner(&info);
+        assert!(text.contains("planner    llm, model m at http://127.0.0.1:11434"));
         assert!(text.contains("ws://127.0.0.1:5000/ws"));
         assert!(text.contains("ws://localhost:5000/ws"));
         assert!(text.contains("data dir   /tmp/x"));
@@ -566,6 +585,10 @@ mod tests {
             credentials_file: None,
             allow_no_auth: false,
             config: None,
+            planner: None,
+            planner_url: None,
+            llm_base_url: None,
+            llm_model: None,
         };
         let server = DevServer::build(&args).await.expect("builds");
         let base = server.info().rest_url.clone();

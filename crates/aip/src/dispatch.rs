@@ -40,6 +40,10 @@ pub fn task_request(args: &DispatchArgs) -> Result<TaskRequest, UsageError> {
         ("priority", args.priority.map(Value::from)),
         ("timeout_secs", args.timeout.map(Value::from)),
         (
+            "planner",
+            args.planner.map(|p| Value::from(p.planner().as_str())),
+        ),
+        (
             "steps",
             steps::build(&args.step_sources)?
                 .map(serde_json::to_value)

@@ -25,7 +25,7 @@ use aip_bus::{Headers, SharedBus};
 use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents, MAX_GET_MANY};
 use proto_schemas::server;
 use proto_schemas::sessions::{InboundFrame, PlanStep};
-use proto_schemas::{ClientType, ErrorBody, ErrorCode, ServerMessage, Subjects, V1};
+use proto_schemas::{ClientType, ErrorBody, ErrorCode, PlannerName, ServerMessage, Subjects, V1};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -34,7 +34,7 @@ pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFram
 use crate::settings::SessionSettings;
 use crate::store::{LeaseSpec, OutFrame, StoreError, TaskStore, Writer};
 use crate::task::{Task, now_ms};
-use crate::workers::PlannerError;
+use crate::planners::{PlanJob, Planned, Planners};
 
 /// Why a change could not be made. Transient errors are retried (a frame is redelivered);
 /// the rest are reported to whoever asked.
@@ -92,11 +92,11 @@ pub(crate) enum Op {
         prepared: Box<Prepared>,
         reply: Reply<Task>,
     },
-    /// The remote planner's answer.
+    /// A planner's answer.
     Planned {
         task_id: String,
         step: i32,
-        decision: Result<PlanStep, PlannerError>,
+        planned: Planned,
     },
     /// Commands into a driven task.
     Commands {
@@ -217,6 +217,7 @@ pub struct Engine {
     registry: RegistryClient,
     subjects: Subjects,
     settings: SessionSettings,
+    planners: Arc<Planners>,
     blobs: aip_bus::BlobStore,
     ops: mpsc::Sender<Op>,
     leading: Arc<AtomicBool>,
@@ -242,6 +243,7 @@ impl Engine {
         bus: SharedBus,
         subjects: Subjects,
         settings: SessionSettings,
+        planners: Planners,
     ) -> (Self, Applier) {
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
         let (tx, rx) = mpsc::channel(settings.max_in_flight.max(MIN_IN_FLIGHT) * OP_QUEUE_FACTOR);
@@ -256,6 +258,7 @@ impl Engine {
             bus,
             subjects,
             settings,
+            planners: Arc::new(planners),
             blobs,
             ops: tx,
             leading: Arc::new(AtomicBool::new(false)),
@@ -282,6 +285,11 @@ impl Engine {
 
     pub fn settings(&self) -> &SessionSettings {
         &self.settings
+    }
+
+    /// The planners this replica reaches.
+    pub fn planners(&self) -> &Planners {
+        &self.planners
     }
 
     /// Where gateways acknowledge the frames this replica sends.
@@ -470,7 +478,7 @@ impl Engine {
     /// owners of the task ids that are taken.
     pub async fn prepare_frames(&self, frames: &[&InboundFrame]) -> Vec<TaskFrame> {
         let planned: Vec<(Option<String>, Result<NewTask, ErrorBody>)> =
-            frames.iter().map(|f| task_of_frame(f)).collect();
+            frames.iter().map(|f| task_of_frame(f, &self.planners)).collect();
         let ids: Vec<String> = planned
             .iter()
             .filter_map(|(_, new)| new.as_ref().ok()?.task_id.clone())
@@ -749,7 +757,10 @@ fn judge_target(
 /// The task a client `task` frame asks for, by UFO's rules (a constellation names its target
 /// device; a device may only target itself), and for a device's frame with a task name the
 /// name of the UFO dispatch it may echo.
-fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, ErrorBody>) {
+fn task_of_frame(
+    inbound: &InboundFrame,
+    planners: &Planners,
+) -> (Option<String>, Result<NewTask, ErrorBody>) {
     let frame = &inbound.frame;
     let target = frame.target_id.clone().filter(|t| !t.is_empty());
     let (placement, echo_name) = match inbound.client_type {
@@ -796,7 +807,30 @@ fn task_of_frame(inbound: &InboundFrame) -> (Option<String>, Result<NewTask, Err
                 );
             }
         },
-        None => Plan::Remote,
+        None => {
+            let requested = match frame.metadata_value("planner") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(value) => match value.as_str().and_then(PlannerName::from_wire) {
+                    Some(name) => Some(name),
+                    None => {
+                        return (
+                            echo_name,
+                            Err(ErrorBody::new(
+                                ErrorCode::ProtocolError,
+                                format!(
+                                    "task frame: field `metadata.planner`: must be one of {} (got {value})",
+                                    PlannerName::expected()
+                                ),
+                            )),
+                        );
+                    }
+                },
+            };
+            match planners.choose(requested) {
+                Ok(name) => Plan::Planner(name),
+                Err(refusal) => return (echo_name, Err(refusal)),
+            }
+        }
     };
     let requester = Requester::Client {
         id: inbound.client_id.clone(),
@@ -843,8 +877,9 @@ pub async fn run_applier(
     let (plans_tx, plans_rx) =
         mpsc::channel(engine.settings.max_in_flight.max(MIN_IN_FLIGHT) * PLAN_QUEUE_FACTOR);
     let publisher = tokio::spawn(run_publisher(engine.clone(), frames_rx));
-    let planner = tokio::spawn(crate::workers::run_planner(
+    let planner = tokio::spawn(crate::planners::run_planner(
         engine.clone(),
+        engine.planners.clone(),
         plans_rx,
         engine.settings.max_in_flight,
     ));
@@ -922,7 +957,7 @@ const PLAN_QUEUE_FACTOR: usize = 4;
 /// Where a committed group's work goes.
 struct Outputs {
     frames: mpsc::Sender<Vec<OutFrame>>,
-    plans: mpsc::Sender<proto_schemas::sessions::PlanRequest>,
+    plans: mpsc::Sender<PlanJob>,
 }
 
 /// Why a term of leadership ended.
@@ -1168,8 +1203,8 @@ fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
         Op::Planned {
             task_id,
             step,
-            decision,
-        } => core.planned(&task_id, step, decision),
+            planned,
+        } => core.planned(&task_id, step, planned),
         Op::Commands {
             task_id,
             step,

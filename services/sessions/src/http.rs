@@ -24,7 +24,7 @@ use axum::{Json, Router, middleware};
 use futures::Stream;
 use proto_schemas::flow::TaskRequest;
 use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
-use proto_schemas::{ActionResult, Command, ErrorBody, ErrorCode};
+use proto_schemas::{ActionResult, Command, ErrorBody, ErrorCode, PlannerName};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::openapi::OpenApi;
@@ -149,7 +149,7 @@ async fn create_task(
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Response, ApiError> {
     let request: TaskRequest = read_body(whole_numbers(body, WHOLE_NUMBER_FIELDS))?;
-    let new = new_task_from_request(request, Requester::Rest)?;
+    let new = new_task_from_request(request, Requester::Rest, engine.planners())?;
     let started = engine.submit(new).await?;
     Ok((StatusCode::CREATED, Json(started.task.view())).into_response())
 }
@@ -806,13 +806,31 @@ async fn ufo_dispatch(
             return Err(ApiError::invalid(TASK_NAME_RULE));
         }
     };
-    let plan =
-        match object.get("steps") {
-            Some(steps) => Plan::Scripted(serde_json::from_value(steps.clone()).map_err(|e| {
+    let requested = match object.get("planner") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(name)) if PlannerName::from_wire(name).is_some() => {
+            PlannerName::from_wire(name)
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(format!(
+                "`planner` must be one of {} (got {other})",
+                PlannerName::expected()
+            )));
+        }
+    };
+    let plan = match (object.get("steps"), requested) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "`planner` is for tasks without `steps`",
+            ));
+        }
+        (Some(steps), None) => {
+            Plan::Scripted(serde_json::from_value(steps.clone()).map_err(|e| {
                 ApiError::invalid(format!("`steps` must be lists of Commands: {e}"))
-            })?),
-            None => Plan::Remote,
-        };
+            })?)
+        }
+        (None, requested) => Plan::Planner(engine.planners().choose(requested)?),
+    };
     let new = NewTask {
         task_name,
         ufo_dispatch: true,

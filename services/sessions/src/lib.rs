@@ -17,6 +17,7 @@
 pub mod engine;
 pub mod http;
 pub mod machine;
+pub mod planners;
 pub mod settings;
 pub mod store;
 pub mod task;
@@ -158,7 +159,11 @@ impl runner::Service for Application {
         let subjects = settings.validate()?;
         db.migrate().await?;
         let store = store::TaskStore::new(db);
-        let (engine, applier) = Engine::new(store, bus, subjects, settings.sessions.clone());
+        let planners = planners::Planners::new(&settings.sessions, &|name| std::env::var(name).ok())
+            .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
+        tracing::info!(default = %planners.default_planner(), "planner for tasks without steps");
+        let (engine, applier) =
+            Engine::new(store, bus, subjects, settings.sessions.clone(), planners);
         workers::ensure_frames_stream(&engine).await?;
         let acks = engine.bus().subscribe(engine.ack_subject()).await?;
         let listener =

@@ -28,7 +28,7 @@ use crate::store::{Batch, NewEvent, OutFrame};
 use crate::task::{EventKind, ExecutorRef, InvalidTransition, Task, TaskError, Waiting, now_ms};
 pub use crate::task::{Plan, Requester};
 use crate::tombstones::{Owner, Tombstones};
-use crate::workers::PlannerError;
+use crate::planners::{PlanJob, Planned, PlannerError};
 
 /// Where a task should run.
 #[derive(Debug, Clone)]
@@ -144,8 +144,8 @@ struct Load {
 pub struct Pending {
     /// What to write.
     pub batch: Batch,
-    /// Steps to ask the remote planner for.
-    pub plans: Vec<PlanRequest>,
+    /// Steps to ask a planner for.
+    pub plans: Vec<PlanJob>,
     ended: Vec<String>,
 }
 
@@ -561,8 +561,12 @@ impl Machine {
                 };
                 self.apply_plan(task, Ok(decision))
             }
-            Plan::Remote => {
-                self.pending.plans.push(plan_request(task));
+            Plan::Planner(planner) => {
+                let planner = *planner;
+                self.pending.plans.push(PlanJob {
+                    planner,
+                    request: plan_request(task),
+                });
                 self.planning.insert(task.task_id.clone(), now_ms());
                 Ok(())
             }
@@ -570,8 +574,9 @@ impl Machine {
         }
     }
 
-    /// The remote planner's answer for `step` of a task; ignored if the task moved on.
-    pub fn planned(&mut self, task_id: &str, step: i32, decision: Result<PlanStep, PlannerError>) {
+    /// A planner's answer for `step` of a task, with its note for the event log; ignored if
+    /// the task moved on.
+    pub fn planned(&mut self, task_id: &str, step: i32, planned: Planned) {
         let awaited = self.tasks.get(task_id).is_some_and(|t| {
             t.waiting == Waiting::Plan && t.step == step && !t.state().is_terminal()
         });
@@ -580,7 +585,10 @@ impl Machine {
         }
         self.change_internally(task_id, "applying a plan", |core, task| {
             core.planning.remove(&task.task_id);
-            core.apply_plan(task, decision)
+            if let Some(note) = planned.note {
+                core.event(task, EventKind::Planned, Some(note));
+            }
+            core.apply_plan(task, planned.decision)
         });
     }
 
@@ -662,24 +670,30 @@ impl Machine {
     /// Tasks whose remote planning was asked for long ago without an answer (a lost request),
     /// asked again.
     pub fn replan_stalled(&mut self, now: i64) {
-        let wait =
-            i64::try_from(self.settings.planner_timeout_ms).unwrap_or(30_000) + REPLAN_MARGIN_MS;
-        let stalled: Vec<PlanRequest> = self
+        let stalled: Vec<PlanJob> = self
             .tasks
             .values()
-            .filter(|t| {
-                t.waiting == Waiting::Plan && t.plan == Plan::Remote && !t.state().is_terminal()
+            .filter(|t| t.waiting == Waiting::Plan && !t.state().is_terminal())
+            .filter_map(|t| match t.plan {
+                Plan::Planner(planner) => {
+                    let wait = i64::try_from(self.settings.planning_window_ms(planner))
+                        .unwrap_or(i64::MAX / 4)
+                        + REPLAN_MARGIN_MS;
+                    let lost = self
+                        .planning
+                        .get(&t.task_id)
+                        .is_none_or(|at| *at < now - wait);
+                    lost.then(|| PlanJob {
+                        planner,
+                        request: plan_request(t),
+                    })
+                }
+                Plan::Scripted(_) | Plan::Driver => None,
             })
-            .filter(|t| {
-                self.planning
-                    .get(&t.task_id)
-                    .is_none_or(|at| *at < now - wait)
-            })
-            .map(plan_request)
             .collect();
-        for request in stalled {
-            self.planning.insert(request.task_id.clone(), now);
-            self.pending.plans.push(request);
+        for job in stalled {
+            self.planning.insert(job.request.task_id.clone(), now);
+            self.pending.plans.push(job);
         }
     }
 

@@ -7,6 +7,7 @@ use aip_runtime::service::{
     StartError,
 };
 use aip_runtime::telemetry::LogFormat;
+use proto_schemas::PlannerName;
 use serde::{Deserialize, Serialize};
 
 /// Everything the session service can be told: the settings every service shares (see
@@ -68,6 +69,82 @@ pub struct SessionSettings {
     pub outbox_retention_ms: u64,
     /// On SIGTERM, how long to let work in progress finish.
     pub shutdown_grace_ms: u64,
+    /// Who plans tasks without steps (`[sessions.planner]`, `AIP_SESSIONS__PLANNER__…`).
+    pub planner: PlannerSettings,
+    /// The built-in tool-calling agent (`[sessions.llm]`, `AIP_SESSIONS__LLM__…`).
+    pub llm: LlmSettings,
+}
+
+/// The `[sessions.planner]` section: the planner of a task that carries no steps and names none.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PlannerSettings {
+    /// `nats`, `http` or `llm`. Absent: `http` when `url` is set, else `llm` when a model
+    /// endpoint is configured, else `nats`.
+    pub default: Option<PlannerName>,
+    /// The HTTP planner: each PlanRequest is POSTed here and the answer is a PlanReply.
+    pub url: Option<String>,
+    /// Signs the HTTP planner's requests as Standard Webhooks do (`webhook-id`,
+    /// `webhook-timestamp`, `webhook-signature`): `whsec_` and base64.
+    pub secret: Option<String>,
+    /// Attempts per step at the HTTP planner (a connection error, 429 or 5xx is tried again,
+    /// waiting longer each time), at least 1.
+    pub attempts: u32,
+}
+
+/// The `[sessions.llm]` section: an OpenAI-compatible chat-completions endpoint (OpenAI, Azure
+/// OpenAI, vLLM, Ollama, LM Studio). `OPENAI_BASE_URL` and `OPENAI_API_KEY` are read when
+/// `base_url` and `api_key` are not set here.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LlmSettings {
+    /// e.g. `https://api.openai.com/v1`, `http://127.0.0.1:11434/v1`; `/chat/completions` is
+    /// appended.
+    pub base_url: Option<String>,
+    /// Sent as `Authorization: Bearer`; never logged.
+    pub api_key: Option<String>,
+    /// The model name the endpoint knows.
+    pub model: String,
+    /// Model calls per task at most; one more fails the task.
+    pub max_steps: u32,
+    /// Tokens (prompt and completion, as the endpoint counts them) per task at most.
+    pub max_tokens: u64,
+    /// How long one model call may take.
+    pub timeout_ms: u64,
+    /// A tool's result longer than this (characters of its JSON) is cut before the model
+    /// sees it.
+    pub max_result_chars: usize,
+    /// Replaces the built-in system prompt.
+    pub system_prompt: Option<String>,
+}
+
+impl Default for LlmSettings {
+    fn default() -> Self {
+        LlmSettings {
+            base_url: None,
+            api_key: None,
+            model: "gpt-4o-mini".to_owned(),
+            max_steps: 20,
+            max_tokens: 200_000,
+            timeout_ms: 120_000,
+            max_result_chars: 20_000,
+            system_prompt: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for LlmSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlmSettings")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("model", &self.model)
+            .field("max_steps", &self.max_steps)
+            .field("max_tokens", &self.max_tokens)
+            .field("timeout_ms", &self.timeout_ms)
+            .field("max_result_chars", &self.max_result_chars)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for Settings {
@@ -100,6 +177,26 @@ impl Default for SessionSettings {
             leader_lease_ms: 5_000,
             outbox_retention_ms: 120_000,
             shutdown_grace_ms: 10_000,
+            planner: PlannerSettings {
+                attempts: 3,
+                ..PlannerSettings::default()
+            },
+            llm: LlmSettings::default(),
+        }
+    }
+}
+
+impl SessionSettings {
+    /// The longest a planner may take for one step, retries included: a request older than
+    /// this (and a margin) was lost, and the step is asked for again.
+    pub fn planning_window_ms(&self, planner: PlannerName) -> u64 {
+        let attempts = u64::from(self.planner.attempts.max(1));
+        let backoff = attempts
+            * u64::try_from(crate::planners::http::MAX_RETRY_DELAY.as_millis()).unwrap_or(0);
+        match planner {
+            PlannerName::Nats => self.planner_timeout_ms,
+            PlannerName::Http => self.planner_timeout_ms * attempts + backoff,
+            PlannerName::Llm => self.llm.timeout_ms * attempts + backoff,
         }
     }
 }
@@ -141,6 +238,8 @@ impl ServiceSettings for Settings {
                 format!("leader_lease_ms must be at least {MIN_LEADER_LEASE_MS}"),
             ));
         }
+        crate::planners::Planners::check(&self.sessions, &|name| std::env::var(name).ok())
+            .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
         Ok(())
     }
 }

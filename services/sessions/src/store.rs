@@ -185,7 +185,7 @@ const COLUMNS: &[Column] = &[
         mutable: false,
         cell: |t| match &t.plan {
             Plan::Scripted(steps) => json(Some(steps)),
-            Plan::Remote | Plan::Driver => json::<()>(None),
+            Plan::Planner(_) | Plan::Driver => json::<()>(None),
         },
     },
     Column {
@@ -519,7 +519,7 @@ impl TryFrom<TaskRecord> for Task {
                     .map(|s| s.0.clone())
                     .ok_or_else(|| corrupt("steps", "NULL"))?,
             ),
-            Some(PlannerKind::Remote) => Plan::Remote,
+            Some(PlannerKind::Planner(name)) => Plan::Planner(name),
             Some(PlannerKind::Driver) => Plan::Driver,
             None => return Err(corrupt("planner", &r.planner)),
         };

@@ -6,7 +6,7 @@
 //! them to the state machine of [`TaskState::can_become`].
 
 use proto_schemas::sessions::{TaskState, TaskView};
-use proto_schemas::{ClientType, Command, ErrorCode, Platform};
+use proto_schemas::{ClientType, Command, ErrorCode, Platform, PlannerName};
 use serde_json::Value;
 
 /// Who asked for a task; a client requester is told of its task's end by frame.
@@ -99,8 +99,8 @@ impl Requester {
 pub enum Plan {
     /// The task carries its steps; the service sends them one by one.
     Scripted(Vec<Vec<Command>>),
-    /// A planner on `planner.next` decides each step from the last results.
-    Remote,
+    /// A planner decides each step from the last results.
+    Planner(PlannerName),
     /// The requester sends commands itself (REST) and ends the task.
     Driver,
 }
@@ -110,8 +110,8 @@ pub enum Plan {
 pub enum PlannerKind {
     /// `scripted`
     Scripted,
-    /// `remote`
-    Remote,
+    /// `nats`, `http` or `llm`
+    Planner(PlannerName),
     /// `driver`
     Driver,
 }
@@ -121,20 +121,19 @@ impl PlannerKind {
     pub fn as_str(self) -> &'static str {
         match self {
             PlannerKind::Scripted => "scripted",
-            PlannerKind::Remote => "remote",
+            PlannerKind::Planner(name) => name.as_str(),
             PlannerKind::Driver => "driver",
         }
     }
 
-    /// Parses the stored text.
+    /// Parses the stored text (`remote`, from before planners had names, is `nats`).
     pub fn from_db(s: &str) -> Option<Self> {
-        [
-            PlannerKind::Scripted,
-            PlannerKind::Remote,
-            PlannerKind::Driver,
-        ]
-        .into_iter()
-        .find(|k| k.as_str() == s)
+        match s {
+            "scripted" => Some(PlannerKind::Scripted),
+            "driver" => Some(PlannerKind::Driver),
+            "remote" => Some(PlannerKind::Planner(PlannerName::Nats)),
+            other => PlannerName::from_wire(other).map(PlannerKind::Planner),
+        }
     }
 }
 
@@ -142,7 +141,7 @@ impl Plan {
     pub fn kind(&self) -> PlannerKind {
         match self {
             Plan::Scripted(_) => PlannerKind::Scripted,
-            Plan::Remote => PlannerKind::Remote,
+            Plan::Planner(name) => PlannerKind::Planner(*name),
             Plan::Driver => PlannerKind::Driver,
         }
     }
@@ -355,6 +354,8 @@ pub enum EventKind {
     CommandSent,
     /// The executor answered a command.
     ResultsReceived,
+    /// A planner decided a step and left a note (the agent's conversation turn).
+    Planned,
     /// It ended in this (terminal) state.
     Ended(TaskState),
 }
@@ -368,6 +369,7 @@ impl EventKind {
             EventKind::Echoed => "echoed",
             EventKind::CommandSent => "command_sent",
             EventKind::ResultsReceived => "results_received",
+            EventKind::Planned => "planned",
             EventKind::Ended(state) => state.as_str(),
         }
     }
@@ -465,12 +467,19 @@ mod tests {
         }
         for kind in [
             PlannerKind::Scripted,
-            PlannerKind::Remote,
+            PlannerKind::Planner(PlannerName::Nats),
+            PlannerKind::Planner(PlannerName::Http),
+            PlannerKind::Planner(PlannerName::Llm),
             PlannerKind::Driver,
         ] {
             assert_eq!(PlannerKind::from_db(kind.as_str()), Some(kind));
         }
-        assert_eq!(PlannerKind::from_db("llm"), None);
+        assert_eq!(
+            PlannerKind::from_db("remote"),
+            Some(PlannerKind::Planner(PlannerName::Nats)),
+            "tasks stored before planners had names"
+        );
+        assert_eq!(PlannerKind::from_db("LLM"), None);
         assert_eq!(
             Requester::Nats("agent".into()).display(),
             "nats:agent",

@@ -1,7 +1,6 @@
 //! The background work of a session service replica: consuming the frames stream, planning,
 //! answering task submissions over NATS, and the sweepers that resume what a crash left.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::{Headers, StreamSpec, names};
@@ -10,17 +9,17 @@ use proto_schemas::flow::TaskRequest;
 use proto_schemas::registry::Reply;
 use proto_schemas::sessions::{GatewayEvent, TaskAccepted};
 use proto_schemas::{ErrorBody, ErrorCode};
-use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::engine::{
     Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
+use crate::planners::Planners;
 use crate::store::now_ms;
 use aip_bus::Delivery;
 use proto_schemas::ClientMessageType;
-use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep};
+use proto_schemas::sessions::InboundFrame;
 
 /// The durable consumer's name, shared by every replica.
 pub const CONSUMER: &str = "aip-sessions";
@@ -328,93 +327,6 @@ async fn read_event(
     }
 }
 
-/// Asks the remote planner for each step it is given, at most `concurrency` at once, and
-/// hands the answers to the applier.
-pub async fn run_planner(
-    engine: Engine,
-    mut plans: mpsc::Receiver<PlanRequest>,
-    concurrency: usize,
-) {
-    let permits = Arc::new(Semaphore::new(concurrency.max(1)));
-    while let Some(request) = plans.recv().await {
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
-        };
-        let engine = engine.clone();
-        tokio::spawn(async move {
-            let task_id = request.task_id.clone();
-            let step = i32::try_from(request.step).unwrap_or(i32::MAX);
-            let decision = ask_planner(&engine, &request).await;
-            engine
-                .send_op(Op::Planned {
-                    task_id,
-                    step,
-                    decision,
-                })
-                .await;
-            drop(permit);
-        });
-    }
-}
-
-/// Why the remote planner gave no step. The task fails with [`PlannerError::code`].
-#[derive(Debug, thiserror::Error)]
-pub enum PlannerError {
-    /// Nobody listens on the planner subject.
-    #[error(
-        "no planner is running on `{subject}`: start a remote planner, or give the task its steps \
-         (metadata.steps over WebSocket, `steps` over REST)"
-    )]
-    NoPlanner {
-        /// The subject asked.
-        subject: String,
-    },
-    /// The planner answered with an error.
-    #[error("the planner refused: {}", .0.detail)]
-    Refused(ErrorBody),
-    /// The planner's answer could not be read.
-    #[error("the planner's answer is not a PlanReply: {0}")]
-    BadReply(serde_json::Error),
-    /// The request failed or timed out.
-    #[error("the planner did not answer: {0}")]
-    NoAnswer(aip_bus::BusError),
-    /// The request could not be encoded.
-    #[error("the planning request could not be encoded: {0}")]
-    Encode(serde_json::Error),
-}
-
-impl PlannerError {
-    /// The code the task fails with: nothing to ask is the broker's state (UNAVAILABLE); a
-    /// planner that answered badly or not at all failed the task's command.
-    pub fn code(&self) -> ErrorCode {
-        match self {
-            PlannerError::NoPlanner { .. } => ErrorCode::Unavailable,
-            PlannerError::Encode(_) => ErrorCode::Internal,
-            PlannerError::Refused(_) | PlannerError::BadReply(_) | PlannerError::NoAnswer(_) => {
-                ErrorCode::CommandFailed
-            }
-        }
-    }
-}
-
-async fn ask_planner(engine: &Engine, request: &PlanRequest) -> Result<PlanStep, PlannerError> {
-    let subject = engine.subjects().planner_next();
-    let payload = serde_json::to_vec(request).map_err(PlannerError::Encode)?;
-    let timeout = Duration::from_millis(engine.settings().planner_timeout_ms);
-    match engine
-        .bus()
-        .request(subject.clone(), Headers::new(), payload.into(), timeout)
-        .await
-    {
-        Ok(reply) => serde_json::from_slice::<Reply<PlanStep>>(&reply.payload)
-            .map_err(PlannerError::BadReply)?
-            .into_result()
-            .map_err(PlannerError::Refused),
-        Err(aip_bus::BusError::NoResponders { .. }) => Err(PlannerError::NoPlanner { subject }),
-        Err(e) => Err(PlannerError::NoAnswer(e)),
-    }
-}
-
 /// Every second while leading: re-sends the outbox frames no gateway acknowledged within
 /// five seconds (a publish lost in a NATS restart, a gateway that was resubscribing, frames a
 /// crash left unsent; gateways drop the copies they already wrote), and drops those older than
@@ -524,7 +436,7 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
         let engine = engine.clone();
         tracker.spawn(async move {
             let reply: Reply<TaskAccepted> = match read_submission(&message.payload) {
-                Ok(request) => match new_task_from_request(request, Requester::Nats) {
+                Ok(request) => match new_task_from_request(request, Requester::Nats, engine.planners()) {
                     Ok(new) => match engine.submit(new).await {
                         Ok(started) => Reply::Ok(accepted(&started.task)),
                         Err(EngineError::Refused(body)) => Reply::Error(body),
@@ -582,6 +494,7 @@ pub fn accepted(task: &crate::task::Task) -> TaskAccepted {
 pub fn new_task_from_request(
     request: TaskRequest,
     requester: impl FnOnce(String) -> Requester,
+    planners: &Planners,
 ) -> Result<NewTask, ErrorBody> {
     let invalid = |detail: String| ErrorBody::new(ErrorCode::InvalidRequest, detail);
     if request.description.trim().is_empty() {
@@ -612,13 +525,18 @@ pub fn new_task_from_request(
             ));
         }
     };
-    let plan = match (request.steps, request.driver) {
-        (Some(_), true) => {
+    let plan = match (request.steps, request.driver, request.planner) {
+        (Some(_), true, _) => {
             return Err(invalid("give `steps` or `driver: true`, not both".into()));
         }
-        (Some(steps), false) => Plan::Scripted(steps),
-        (None, true) => Plan::Driver,
-        (None, false) => Plan::Remote,
+        (Some(_), _, Some(_)) | (_, true, Some(_)) => {
+            return Err(invalid(
+                "`planner` is for tasks without `steps` and not driven".into(),
+            ));
+        }
+        (Some(steps), false, None) => Plan::Scripted(steps),
+        (None, true, None) => Plan::Driver,
+        (None, false, requested) => Plan::Planner(planners.choose(requested)?),
     };
     Ok(NewTask {
         task_id: request.task_id,

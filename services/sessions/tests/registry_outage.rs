@@ -8,6 +8,7 @@ use aip_testkit::{Backend, Infra, both_backends, within};
 use futures::StreamExt;
 use proto_schemas::Subjects;
 use proto_schemas::registry::Reply;
+use aip_sessions::planners::Planners;
 use std::time::Duration;
 
 async fn a_task_waits_for_a_registry_that_comes_back(backend: Backend) {
@@ -20,6 +21,7 @@ async fn a_task_waits_for_a_registry_that_comes_back(backend: Backend) {
         infra.bus.clone(),
         subjects.clone(),
         SessionSettings::default(),
+        Planners::new(&SessionSettings::default(), &|_| None).expect("planners"),
     );
 
     // No registry runs when the task arrives; one starts a second and a half later.
