@@ -37,8 +37,8 @@ pub mod validate;
 pub mod version;
 
 pub use enums::{
-    ClientMessageType, ClientType, Extension, Platform, PlannerName, ResultStatus, ServerMessageType,
-    TaskStatus, ToolType,
+    ClientMessageType, ClientType, Extension, PlannerName, Platform, ResultStatus,
+    ServerMessageType, TaskStatus, ToolType,
 };
 pub use error::{ErrorBody, ErrorCode};
 pub use frames::{

@@ -175,6 +175,9 @@ pub struct Options {
     /// Gateway credentials file contents (TOML), if any.
     pub credentials: Option<String>,
     pub max_frame_bytes: Option<usize>,
+    /// The session service's `[sessions.planner]` and `[sessions.llm]`.
+    pub planner: aip_sessions::settings::PlannerSettings,
+    pub llm: aip_sessions::settings::LlmSettings,
 }
 
 impl Default for Options {
@@ -189,6 +192,8 @@ impl Default for Options {
             command_timeout_secs: 600,
             credentials: None,
             max_frame_bytes: None,
+            planner: aip_sessions::SessionSettings::default().planner,
+            llm: aip_sessions::SessionSettings::default().llm,
         }
     }
 }
@@ -309,6 +314,8 @@ impl Stack {
             settings.sessions.listen = SocketAddr::from(([127, 0, 0, 1], 0));
             settings.sessions.max_tasks_per_agent = options.max_tasks_per_agent;
             settings.sessions.command_timeout_secs = options.command_timeout_secs;
+            settings.sessions.planner = options.planner.clone();
+            settings.sessions.llm = options.llm.clone();
             let db = stack.connect_db().await?;
             let app = aip_sessions::Application::build(settings, bus.clone(), db)
                 .await

@@ -31,10 +31,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::machine::{CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
+use crate::planners::{PlanJob, Planned, Planners};
 use crate::settings::SessionSettings;
 use crate::store::{LeaseSpec, OutFrame, StoreError, TaskStore, Writer};
 use crate::task::{Task, now_ms};
-use crate::planners::{PlanJob, Planned, Planners};
 
 /// Why a change could not be made. Transient errors are retried (a frame is redelivered);
 /// the rest are reported to whoever asked.
@@ -477,8 +477,10 @@ impl Engine {
     /// concurrently) and, in one database read for the whole chunk that runs beside them, the
     /// owners of the task ids that are taken.
     pub async fn prepare_frames(&self, frames: &[&InboundFrame]) -> Vec<TaskFrame> {
-        let planned: Vec<(Option<String>, Result<NewTask, ErrorBody>)> =
-            frames.iter().map(|f| task_of_frame(f, &self.planners)).collect();
+        let planned: Vec<(Option<String>, Result<NewTask, ErrorBody>)> = frames
+            .iter()
+            .map(|f| task_of_frame(f, &self.planners))
+            .collect();
         let ids: Vec<String> = planned
             .iter()
             .filter_map(|(_, new)| new.as_ref().ok()?.task_id.clone())

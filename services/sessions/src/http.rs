@@ -749,6 +749,9 @@ struct DispatchRequest {
     /// Extension: scripted steps, the command rounds to send in order.
     #[schema(nullable = false)]
     steps: Option<Vec<Vec<Command>>>,
+    /// Extension: who plans the task when it has no `steps` (default: the broker's).
+    #[schema(nullable = false)]
+    planner: Option<PlannerName>,
 }
 
 /// What UFO's dispatch answers.
@@ -820,9 +823,7 @@ async fn ufo_dispatch(
     };
     let plan = match (object.get("steps"), requested) {
         (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
-                "`planner` is for tasks without `steps`",
-            ));
+            return Err(ApiError::invalid("`planner` is for tasks without `steps`"));
         }
         (Some(steps), None) => {
             Plan::Scripted(serde_json::from_value(steps.clone()).map_err(|e| {
@@ -941,7 +942,7 @@ fn info() -> OpenApi {
 
 /// The rules of a [`TaskRequest`] that its type cannot say (`new_task_from_request` enforces
 /// them), added to the body of `POST /api/tasks`: a `target_id` or at least one required
-/// capability; `steps` or `driver: true`, not both.
+/// capability; `steps` or `driver: true`, not both; `planner` only without either.
 fn task_request_rules(document: &mut OpenApi) {
     use utoipa::openapi::schema::{
         AllOfBuilder, AnyOfBuilder, ArrayBuilder, ObjectBuilder, Schema, Type,
@@ -1002,11 +1003,27 @@ fn task_request_rules(document: &mut OpenApi) {
             false,
         ))
         .description(Some("`steps` or `driver: true`, not both"));
+    let null = || ObjectBuilder::new().schema_type(Type::Null).build();
+    let planned = AnyOfBuilder::new()
+        .item(with_property("planner", null().into(), false))
+        .item(Schema::Object(
+            ObjectBuilder::new()
+                .property("steps", null())
+                .property(
+                    "driver",
+                    ObjectBuilder::new()
+                        .schema_type(Type::Boolean)
+                        .enum_values(Some([false])),
+                )
+                .build(),
+        ))
+        .description(Some("`planner` only without `steps` and `driver: true`"));
     content.schema = Some(
         AllOfBuilder::new()
             .item(Ref::from_schema_name("TaskRequest"))
             .item(placement)
             .item(plan)
+            .item(planned)
             .into(),
     );
 }

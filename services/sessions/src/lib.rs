@@ -159,8 +159,9 @@ impl runner::Service for Application {
         let subjects = settings.validate()?;
         db.migrate().await?;
         let store = store::TaskStore::new(db);
-        let planners = planners::Planners::new(&settings.sessions, &|name| std::env::var(name).ok())
-            .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
+        let planners =
+            planners::Planners::new(&settings.sessions, &|name| std::env::var(name).ok())
+                .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
         tracing::info!(default = %planners.default_planner(), "planner for tasks without steps");
         let (engine, applier) =
             Engine::new(store, bus, subjects, settings.sessions.clone(), planners);

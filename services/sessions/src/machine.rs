@@ -23,12 +23,12 @@ use proto_schemas::{
 };
 use serde_json::{Value, json};
 
+use crate::planners::{PlanJob, Planned, PlannerError};
 use crate::settings::SessionSettings;
 use crate::store::{Batch, NewEvent, OutFrame};
 use crate::task::{EventKind, ExecutorRef, InvalidTransition, Task, TaskError, Waiting, now_ms};
 pub use crate::task::{Plan, Requester};
 use crate::tombstones::{Owner, Tombstones};
-use crate::planners::{PlanJob, Planned, PlannerError};
 
 /// Where a task should run.
 #[derive(Debug, Clone)]

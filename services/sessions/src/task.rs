@@ -6,7 +6,7 @@
 //! them to the state machine of [`TaskState::can_become`].
 
 use proto_schemas::sessions::{TaskState, TaskView};
-use proto_schemas::{ClientType, Command, ErrorCode, Platform, PlannerName};
+use proto_schemas::{ClientType, Command, ErrorCode, PlannerName, Platform};
 use serde_json::Value;
 
 /// Who asked for a task; a client requester is told of its task's end by frame.

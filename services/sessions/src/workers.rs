@@ -436,16 +436,18 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
         let engine = engine.clone();
         tracker.spawn(async move {
             let reply: Reply<TaskAccepted> = match read_submission(&message.payload) {
-                Ok(request) => match new_task_from_request(request, Requester::Nats, engine.planners()) {
-                    Ok(new) => match engine.submit(new).await {
-                        Ok(started) => Reply::Ok(accepted(&started.task)),
-                        Err(EngineError::Refused(body)) => Reply::Error(body),
-                        Err(EngineError::Store(e)) => {
-                            Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
-                        }
-                    },
-                    Err(body) => Reply::Error(body),
-                },
+                Ok(request) => {
+                    match new_task_from_request(request, Requester::Nats, engine.planners()) {
+                        Ok(new) => match engine.submit(new).await {
+                            Ok(started) => Reply::Ok(accepted(&started.task)),
+                            Err(EngineError::Refused(body)) => Reply::Error(body),
+                            Err(EngineError::Store(e)) => {
+                                Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
+                            }
+                        },
+                        Err(body) => Reply::Error(body),
+                    }
+                }
                 Err(e) => Reply::Error(ErrorBody::new(
                     ErrorCode::InvalidRequest,
                     format!("not a TaskRequest: {e}"),

@@ -2,13 +2,13 @@
 
 use aip_bus::{Headers, respond};
 use aip_sessions::engine::{Engine, NewTask, Placement, Plan, Requester};
+use aip_sessions::planners::Planners;
 use aip_sessions::settings::SessionSettings;
 use aip_sessions::store::TaskStore;
 use aip_testkit::{Backend, Infra, both_backends, within};
 use futures::StreamExt;
 use proto_schemas::Subjects;
 use proto_schemas::registry::Reply;
-use aip_sessions::planners::Planners;
 use std::time::Duration;
 
 async fn a_task_waits_for_a_registry_that_comes_back(backend: Backend) {

@@ -108,7 +108,10 @@ impl HttpPlanner {
                 )
                 .header(standardwebhooks::HEADER_WEBHOOK_SIGNATURE, signature);
         }
-        let response = post.send().await.map_err(|e| Attempt::Again(e.to_string()))?;
+        let response = post
+            .send()
+            .await
+            .map_err(|e| Attempt::Again(e.to_string()))?;
         let status = response.status();
         let body = response
             .bytes()
@@ -118,10 +121,7 @@ impl HttpPlanner {
             return Ok(body);
         }
         if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
-            return Err(Attempt::Again(format!(
-                "HTTP {status}: {}",
-                quote(&body)
-            )));
+            return Err(Attempt::Again(format!("HTTP {status}: {}", quote(&body))));
         }
         // A refusal in the PlanReply shape keeps its code; anything else is quoted.
         let refusal = match serde_json::from_slice::<Reply<PlanStep>>(&body) {

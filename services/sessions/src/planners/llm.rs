@@ -141,11 +141,16 @@ impl LlmPlanner {
             };
             conversation.tools = Toolbox::new(&tools);
             note.tools = Some(tools);
-            note.messages.push(json!({ "role": "system", "content": self.system_prompt(request) }));
-            note.messages.push(json!({ "role": "user", "content": user_message(request) }));
-        } else {
             note.messages
-                .extend(tool_messages(&conversation, &request.last_results, self.settings.max_result_chars));
+                .push(json!({ "role": "system", "content": self.system_prompt(request) }));
+            note.messages
+                .push(json!({ "role": "user", "content": user_message(request) }));
+        } else {
+            note.messages.extend(tool_messages(
+                &conversation,
+                &request.last_results,
+                self.settings.max_result_chars,
+            ));
         }
         if conversation.turns >= self.settings.max_steps {
             return fail(
@@ -173,7 +178,10 @@ impl LlmPlanner {
         };
         note.usage = completion.usage.clone();
         let Some(choice) = completion.choices.into_iter().next() else {
-            return fail(note, PlannerError::Model("the answer has no choices".into()));
+            return fail(
+                note,
+                PlannerError::Model("the answer has no choices".into()),
+            );
         };
         note.messages.push(choice.message.to_value());
         let decision = decide(&conversation.tools, choice.message);
@@ -291,7 +299,11 @@ fn user_message(request: &PlanRequest) -> String {
 
 /// The tool messages answering the last assistant message's calls, from the step's results
 /// (matched by `call_id`, else by position).
-fn tool_messages(conversation: &Conversation, results: &[ActionResult], max_chars: usize) -> Vec<Value> {
+fn tool_messages(
+    conversation: &Conversation,
+    results: &[ActionResult],
+    max_chars: usize,
+) -> Vec<Value> {
     let calls = conversation.pending_calls();
     calls
         .iter()
@@ -441,10 +453,20 @@ impl Toolbox {
 fn function_name(tool_name: &str) -> String {
     let name: String = tool_name
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .take(MAX_FUNCTION_NAME)
         .collect();
-    if name.is_empty() { "_".to_owned() } else { name }
+    if name.is_empty() {
+        "_".to_owned()
+    } else {
+        name
+    }
 }
 
 /// The conversation so far, read back from the task's `planned` events.
@@ -620,8 +642,10 @@ mod tests {
         let tools = Toolbox::new(&[tool("type_text")]);
         let step = decide(
             &tools,
-            message(json!({ "content": null, "tool_calls": [{ "id": "call_1", "type": "function",
-                "function": { "name": "type_text", "arguments": "{\"text\":\"hello\"}" } }] })),
+            message(
+                json!({ "content": null, "tool_calls": [{ "id": "call_1", "type": "function",
+                "function": { "name": "type_text", "arguments": "{\"text\":\"hello\"}" } }] }),
+            ),
         )
         .expect("a step");
         let PlanStep::Commands { actions, .. } = step else {
@@ -629,7 +653,10 @@ mod tests {
         };
         assert_eq!(actions[0].tool_name, "type_text");
         assert_eq!(actions[0].call_id.as_deref(), Some("call_1"));
-        assert_eq!(actions[0].parameters.as_ref().expect("args")["text"], "hello");
+        assert_eq!(
+            actions[0].parameters.as_ref().expect("args")["text"],
+            "hello"
+        );
     }
 
     #[test]
@@ -653,8 +680,11 @@ mod tests {
 
     #[test]
     fn a_final_answer_completes_with_the_answer() {
-        let step = decide(&Toolbox::default(), message(json!({ "content": "Done: hello typed." })))
-            .expect("complete");
+        let step = decide(
+            &Toolbox::default(),
+            message(json!({ "content": "Done: hello typed." })),
+        )
+        .expect("complete");
         assert_eq!(
             step,
             PlanStep::Complete {
@@ -672,7 +702,10 @@ mod tests {
             .filter_map(|f| f["function"]["name"].as_str())
             .collect();
         assert_eq!(names.len(), 4, "{names:?}");
-        assert!(names.iter().all(|n| n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')));
+        assert!(names.iter().all(|n| {
+            n.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        }));
         let unique: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(unique.len(), 4, "{names:?}");
         assert_eq!(tools.by_function["a_b"].tool_name, "a.b");

@@ -159,10 +159,7 @@ impl Planners {
             nats_timeout: Duration::from_millis(settings.planner_timeout_ms),
         };
         if let Err(e) = planners.choose(Some(default)) {
-            return Err(format!(
-                "the default planner is not usable: {}",
-                e.detail
-            ));
+            return Err(format!("the default planner is not usable: {}", e.detail));
         }
         Ok(planners)
     }
@@ -247,9 +244,7 @@ impl Planners {
                 .map_err(|e| PlannerError::BadReply(e.to_string()))?
                 .into_result()
                 .map_err(PlannerError::Refused),
-            Err(aip_bus::BusError::NoResponders { .. }) => {
-                Err(PlannerError::NoPlanner { subject })
-            }
+            Err(aip_bus::BusError::NoResponders { .. }) => Err(PlannerError::NoPlanner { subject }),
             Err(e) => Err(PlannerError::NoAnswer(e.to_string())),
         }
     }
