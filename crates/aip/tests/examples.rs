@@ -1,6 +1,6 @@
 //! The Python examples, run for real: `examples/python_device.py` answers a dispatched task
-//! through `aip dev`, and `examples/python_planner.py` plans a task over NATS for `aip dev
-//! --nats-url`.
+//! through `aip dev`, `examples/python_planner.py` plans a task over NATS for `aip dev
+//! --nats-url`, and `examples/http_planner.py` plans a Galaxy task for `aip dev --planner-url`.
 //!
 //! They need `python3` with the packages in `scripts/python-requirements.txt`. Without them
 //! each test says so and passes as skipped, unless `AIP_REQUIRE_PYTHON_EXAMPLES=1` is set (then
@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Proc, TempDir, aip, start_dev, wait_available, workspace_root};
+use common::{Proc, TempDir, aip, start_dev, start_dev_with, wait_available, workspace_root};
 
 /// Whether `python3` can import `module`; if not, explains and says whether to skip.
 fn python_has(module: &str) -> bool {
@@ -217,6 +217,74 @@ fn python_planner_plans_a_task_over_nats() {
     assert!(
         planner.stdout().contains("\"decision\": \"complete\""),
         "{}",
+        planner.output()
+    );
+}
+
+/// A secret in Standard Webhooks' form, shared by the broker and the planner.
+const PLANNER_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+
+#[test]
+fn http_planner_plans_a_galaxy_task_in_aip_dev() {
+    if !python_has("standardwebhooks") {
+        return;
+    }
+    let script = example("http_planner.py");
+    let mut planner = Proc::spawn(
+        "http_planner.py",
+        "python3",
+        &["-u", &script, "--port", "0", "--secret", PLANNER_SECRET],
+        &[],
+    );
+    let url = planner.wait_for_stdout("the planner", |out| {
+        out.lines()
+            .find_map(|l| l.strip_prefix("planner ready on "))
+            .map(|u| u.trim().to_owned())
+    });
+    let data = TempDir::new("httpplanner");
+    let (_dev, rest, ws) = start_dev_with(
+        data.path(),
+        &["--planner-url", &url],
+        &[("AIP_SESSIONS__PLANNER__SECRET", PLANNER_SECRET)],
+    );
+
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async {
+        use aip_testkit::Client;
+        use aip_testkit::frames::{
+            command_results_for, constellation_register, constellation_task, device_register,
+        };
+        // A UFO device and a Galaxy constellation, as their own clients speak.
+        let mut device = Client::registered(&ws, device_register("galaxy-pc", "windows")).await;
+        wait_available(&rest, "galaxy-pc");
+        let galaxy_id = "aip_constellation@galaxy-pc";
+        let mut galaxy =
+            Client::registered(&ws, constellation_register(galaxy_id, Some("galaxy-pc"))).await;
+        galaxy
+            .send(&constellation_task(galaxy_id, "galaxy-pc", "galaxy-s1", "t1", None))
+            .await
+            .expect("task");
+        let command = device.recv_type("command").await.expect("command");
+        assert_eq!(command["agent_name"], "HostAgent");
+        assert_eq!(command["actions"][0]["tool_name"], "echo");
+        device
+            .send(&command_results_for("galaxy-pc", &command))
+            .await
+            .expect("results");
+        let end = galaxy.recv_type("task_end").await.expect("task_end");
+        assert_eq!(end["status"], "completed", "{end}\n{}", planner.output());
+        assert_eq!(end["session_id"], "galaxy-s1");
+        assert_eq!(end["result"]["planner"], "python-http", "{end}");
+        assert_eq!(
+            end["result"]["echoed"]["echo"]["text"],
+            "open notepad and type hello",
+            "{end}"
+        );
+    });
+    assert_eq!(
+        planner.stdout().matches("\"decision\": ").count(),
+        2,
+        "two signed steps were planned: {}",
         planner.output()
     );
 }

@@ -266,10 +266,19 @@ pub fn aip(args: &[&str]) -> Run {
 /// `aip dev` on a free port with its data in `data_dir` (plus `extra` flags); returns the
 /// process and its REST and WebSocket URLs, read from its banner.
 pub fn start_dev(data_dir: &Path, extra: &[&str]) -> (Proc, String, String) {
+    start_dev_with(data_dir, extra, &[])
+}
+
+/// As [`start_dev`], with environment variables.
+pub fn start_dev_with(
+    data_dir: &Path,
+    extra: &[&str],
+    envs: &[(&str, &str)],
+) -> (Proc, String, String) {
     let data = data_dir.to_str().expect("utf-8 path");
     let mut args = vec!["dev", "--listen", "127.0.0.1:0", "--data-dir", data];
     args.extend_from_slice(extra);
-    let mut dev = Proc::aip("aip dev", &args);
+    let mut dev = Proc::spawn("aip dev", aip_bin(), &args, envs);
     let ws = dev.wait_for_stdout("the WebSocket URL", |out| {
         out.lines()
             .find_map(|l| l.trim().strip_prefix("WebSocket"))

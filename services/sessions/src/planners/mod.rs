@@ -133,6 +133,8 @@ impl Planners {
         settings: &SessionSettings,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, String> {
+        // The HTTP clients below need rustls' provider, whoever embeds this service.
+        aip_runtime::install_crypto_provider();
         let http = match &settings.planner.url {
             Some(url) => Some(http::HttpPlanner::new(
                 url,
@@ -285,5 +287,78 @@ pub async fn run_planner(
                 .await;
             drop(permit);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> SessionSettings {
+        SessionSettings::default()
+    }
+
+    #[test]
+    fn the_default_follows_what_is_configured() {
+        let none = |_: &str| None;
+        assert_eq!(
+            Planners::new(&settings(), &none).expect("ok").default_planner(),
+            PlannerName::Nats
+        );
+        let openai = |name: &str| (name == "OPENAI_API_KEY").then(|| "sk-x".to_owned());
+        let planners = Planners::new(&settings(), &openai).expect("ok");
+        assert_eq!(planners.default_planner(), PlannerName::Llm);
+        assert!(
+            planners.describe().contains("https://api.openai.com/v1/chat/completions"),
+            "{}",
+            planners.describe()
+        );
+        assert!(!planners.describe().contains("sk-x"), "the key is never shown");
+        let mut with_url = settings();
+        with_url.planner.url = Some("http://127.0.0.1:9/plan".into());
+        assert_eq!(
+            Planners::new(&with_url, &openai).expect("ok").default_planner(),
+            PlannerName::Http,
+            "a planner URL is the default before the model"
+        );
+        with_url.planner.default = Some(PlannerName::Nats);
+        assert_eq!(
+            Planners::new(&with_url, &openai).expect("ok").default_planner(),
+            PlannerName::Nats,
+            "an explicit default wins"
+        );
+    }
+
+    #[test]
+    fn unusable_settings_are_refused_at_start() {
+        let none = |_: &str| None;
+        let mut s = settings();
+        s.planner.default = Some(PlannerName::Llm);
+        let e = Planners::new(&s, &none).err().expect("no endpoint");
+        assert!(e.contains("OPENAI_BASE_URL"), "{e}");
+        let mut s = settings();
+        s.planner.url = Some("ftp://x".into());
+        assert!(Planners::new(&s, &none).is_err());
+        let mut s = settings();
+        s.planner.url = Some("http://127.0.0.1:9/".into());
+        s.planner.secret = Some("not base64!".into());
+        assert!(Planners::new(&s, &none).is_err());
+        let mut s = settings();
+        s.planner.secret = Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into());
+        assert!(Planners::new(&s, &none).is_err(), "a secret without a URL");
+        let mut s = settings();
+        s.llm.base_url = Some("http://127.0.0.1:11434/v1".into());
+        s.llm.model = " ".into();
+        assert!(Planners::new(&s, &none).is_err(), "no model");
+    }
+
+    #[test]
+    fn a_named_planner_must_be_configured() {
+        let planners = Planners::new(&settings(), &|_| None).expect("ok");
+        assert_eq!(planners.choose(None), Ok(PlannerName::Nats));
+        let refusal = planners
+            .choose(Some(PlannerName::Http))
+            .expect_err("no URL");
+        assert_eq!(refusal.error_code, ErrorCode::InvalidRequest);
     }
 }
