@@ -261,7 +261,13 @@ fn http_planner_plans_a_galaxy_task_in_aip_dev() {
         let mut galaxy =
             Client::registered(&ws, constellation_register(galaxy_id, Some("galaxy-pc"))).await;
         galaxy
-            .send(&constellation_task(galaxy_id, "galaxy-pc", "galaxy-s1", "t1", None))
+            .send(&constellation_task(
+                galaxy_id,
+                "galaxy-pc",
+                "galaxy-s1",
+                "t1",
+                None,
+            ))
             .await
             .expect("task");
         let command = device.recv_type("command").await.expect("command");
@@ -276,8 +282,7 @@ fn http_planner_plans_a_galaxy_task_in_aip_dev() {
         assert_eq!(end["session_id"], "galaxy-s1");
         assert_eq!(end["result"]["planner"], "python-http", "{end}");
         assert_eq!(
-            end["result"]["echoed"]["echo"]["text"],
-            "open notepad and type hello",
+            end["result"]["echoed"]["echo"]["text"], "open notepad and type hello",
             "{end}"
         );
     });

@@ -83,6 +83,9 @@ impl Proc {
         let mut command = Command::new(program);
         command
             .args(args)
+            // A developer's model endpoint would make the built-in agent every test's planner.
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("OPENAI_BASE_URL")
             .envs(envs.iter().copied())
             .env(
                 "RUST_LOG",

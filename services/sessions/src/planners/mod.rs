@@ -302,28 +302,39 @@ mod tests {
     fn the_default_follows_what_is_configured() {
         let none = |_: &str| None;
         assert_eq!(
-            Planners::new(&settings(), &none).expect("ok").default_planner(),
+            Planners::new(&settings(), &none)
+                .expect("ok")
+                .default_planner(),
             PlannerName::Nats
         );
         let openai = |name: &str| (name == "OPENAI_API_KEY").then(|| "sk-x".to_owned());
         let planners = Planners::new(&settings(), &openai).expect("ok");
         assert_eq!(planners.default_planner(), PlannerName::Llm);
         assert!(
-            planners.describe().contains("https://api.openai.com/v1/chat/completions"),
+            planners
+                .describe()
+                .contains("https://api.openai.com/v1/chat/completions"),
             "{}",
             planners.describe()
         );
-        assert!(!planners.describe().contains("sk-x"), "the key is never shown");
+        assert!(
+            !planners.describe().contains("sk-x"),
+            "the key is never shown"
+        );
         let mut with_url = settings();
         with_url.planner.url = Some("http://127.0.0.1:9/plan".into());
         assert_eq!(
-            Planners::new(&with_url, &openai).expect("ok").default_planner(),
+            Planners::new(&with_url, &openai)
+                .expect("ok")
+                .default_planner(),
             PlannerName::Http,
             "a planner URL is the default before the model"
         );
         with_url.planner.default = Some(PlannerName::Nats);
         assert_eq!(
-            Planners::new(&with_url, &openai).expect("ok").default_planner(),
+            Planners::new(&with_url, &openai)
+                .expect("ok")
+                .default_planner(),
             PlannerName::Nats,
             "an explicit default wins"
         );
