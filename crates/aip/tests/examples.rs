@@ -1,6 +1,7 @@
 //! The Python examples, run for real: `examples/python_device.py` answers a dispatched task
 //! through `aip dev`, `examples/python_planner.py` plans a task over NATS for `aip dev
-//! --nats-url`, and `examples/http_planner.py` plans a Galaxy task for `aip dev --planner-url`.
+//! --nats-url`, `examples/http_planner.py` plans a Galaxy task for `aip dev --planner-url`, and
+//! `examples/langgraph_planner.py` drives a device through the broker with a LangGraph agent.
 //!
 //! They need `python3` with the packages in `scripts/python-requirements.txt`. Without them
 //! each test says so and passes as skipped, unless `AIP_REQUIRE_PYTHON_EXAMPLES=1` is set (then
@@ -9,7 +10,10 @@
 
 mod common;
 
-use common::{Proc, TempDir, aip, start_dev, start_dev_with, wait_available, workspace_root};
+use common::{
+    Proc, Seen, TempDir, aip, model_server, start_dev, start_dev_with, wait_available,
+    workspace_root,
+};
 
 /// Whether `python3` can import `module`; if not, explains and says whether to skip.
 fn python_has(module: &str) -> bool {
@@ -292,4 +296,83 @@ fn http_planner_plans_a_galaxy_task_in_aip_dev() {
         "two signed steps were planned: {}",
         planner.output()
     );
+}
+
+#[test]
+fn langgraph_planner_runs_its_tools_on_a_device_through_the_broker() {
+    if !python_has("langgraph") || !python_has("langchain_openai") {
+        return;
+    }
+    let seen = Seen::default();
+    let base_url = model_server(seen.clone());
+    let data = TempDir::new("langgraph");
+    let (_dev, rest, ws) = start_dev(data.path(), &[]);
+    let mut device = Proc::aip(
+        "aip device",
+        &[
+            "device",
+            "--url",
+            &ws,
+            "--id",
+            "graph-pc",
+            "--capability",
+            "graph",
+        ],
+    );
+    device.wait_for_stdout("registration", |out| {
+        out.contains("registered as graph-pc").then_some(())
+    });
+    wait_available(&rest, "graph-pc");
+
+    let script = example("langgraph_planner.py");
+    let mut agent = Proc::spawn(
+        "langgraph_planner.py",
+        "python3",
+        &[
+            "-u",
+            &script,
+            "--rest",
+            &rest,
+            "--capability",
+            "graph",
+            "--model",
+            "graph-model",
+            "say hi",
+        ],
+        &[
+            ("OPENAI_BASE_URL", &base_url),
+            ("OPENAI_API_KEY", "sk-test"),
+        ],
+    );
+    let status = agent.wait_exit();
+    assert!(status.success(), "{}", agent.output());
+    assert!(
+        agent
+            .stdout()
+            .contains("completed: The device echoed: hi from the model"),
+        "{}",
+        agent.output()
+    );
+    let task_id = agent
+        .stdout()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("task ")
+                .and_then(|r| r.strip_suffix(" opened"))
+        })
+        .expect("the task id")
+        .to_owned();
+    let run = aip(&["tasks", "get", "--rest", &rest, "--json", &task_id]);
+    let task = run.json();
+    assert_eq!(task["state"], "completed", "{task}");
+    assert_eq!(task["result"], "The device echoed: hi from the model");
+    let seen = seen.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 2, "two model calls");
+    let functions: Vec<&str> = seen[0]["tools"]
+        .as_array()
+        .expect("tools")
+        .iter()
+        .filter_map(|t| t["function"]["name"].as_str())
+        .collect();
+    assert!(functions.contains(&"echo"), "{functions:?}");
 }
