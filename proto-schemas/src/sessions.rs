@@ -232,7 +232,8 @@ pub struct TaskEvent {
     pub seq: i64,
     /// When it happened (RFC 3339).
     pub at: String,
-    /// What happened (`submitted`, `dispatched`, `command_sent`, `results_received`, `state`, …).
+    /// What happened (`submitted`, `dispatched`, `command_sent`, `results_received`, `planned`,
+    /// the terminal state, …).
     pub kind: String,
     /// The task's state after this event.
     pub state: TaskState,

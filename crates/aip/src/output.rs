@@ -180,6 +180,7 @@ pub fn describe_event(event: &TaskEvent, tools: &ToolNames) -> String {
                 .collect();
             format!("step {}: {}", step_number(&data), results.join(", "))
         }
+        "planned" => describe_turn(&data),
         kind if event.state.is_terminal() => match data.get("error").and_then(Value::as_str) {
             Some(error) => {
                 let code = data.get("error_code").and_then(Value::as_str);
@@ -195,6 +196,42 @@ pub fn describe_event(event: &TaskEvent, tools: &ToolNames) -> String {
             None => kind.to_owned(),
         },
     }
+}
+
+/// A planner's turn (the built-in agent's `planned` event): what the model did.
+fn describe_turn(data: &Value) -> String {
+    let planner = data
+        .get("planner")
+        .and_then(Value::as_str)
+        .unwrap_or("planner");
+    let turn = data.get("turn").and_then(Value::as_u64).unwrap_or(0);
+    let reply = data
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "assistant"));
+    let what = match reply {
+        None => "no answer".to_owned(),
+        Some(reply) => match reply.get("tool_calls").and_then(Value::as_array) {
+            Some(calls) if !calls.is_empty() => {
+                let names: Vec<&str> = calls
+                    .iter()
+                    .filter_map(|c| c["function"]["name"].as_str())
+                    .collect();
+                format!("called {}", names.join(", "))
+            }
+            _ => format!(
+                "answered {}",
+                compact(reply.get("content").unwrap_or(&Value::Null), 80)
+            ),
+        },
+    };
+    let tokens = data
+        .get("usage")
+        .and_then(|u| u.get("total_tokens"))
+        .and_then(Value::as_u64)
+        .map(|t| format!(" ({t} tokens)"))
+        .unwrap_or_default();
+    format!("{planner} turn {turn}: {what}{tokens}")
 }
 
 fn results_of(entry: &Value) -> Vec<ActionResult> {
@@ -341,6 +378,26 @@ mod tests {
         assert_eq!(
             describe_event(&failed, &tools),
             "failed: no planner (UNAVAILABLE)"
+        );
+        let turn = event(
+            "planned",
+            TaskState::Working,
+            json!({"planner": "llm", "turn": 1, "messages": [{"role": "system", "content": "s"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "echo", "arguments": "{}"}}]}], "usage": {"total_tokens": 42}}),
+        );
+        assert_eq!(
+            describe_event(&turn, &tools),
+            "llm turn 1: called echo (42 tokens)"
+        );
+        let answer = event(
+            "planned",
+            TaskState::Working,
+            json!({"planner": "llm", "turn": 2, "messages": [{"role": "assistant", "content": "done"}]}),
+        );
+        assert_eq!(
+            describe_event(&answer, &tools),
+            r#"llm turn 2: answered "done""#
         );
         let result = json!([{"step": 0, "results": [{"status": "success", "call_id": "c1", "result": {"text": "hi"}}]}]);
         let lines = result_lines(&result, &tools);
