@@ -10,6 +10,7 @@ use serde_json::Value;
 use crate::enums::PlannerName;
 use crate::error::ErrorCode;
 use crate::frames::Command;
+use crate::sessions::TaskState;
 use crate::version::V1;
 
 /// Ask for work to be done (REST `POST /api/tasks`, NATS submit).
@@ -172,6 +173,12 @@ pub struct CallbackNotification {
     pub status: CallbackStatus,
     /// The callback URL or agent id it goes to.
     pub sent_to: String,
+    /// The task's state (`completed`, `failed`, `canceled`, `rejected`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<TaskState>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// An error about a task (or none), from any party.

@@ -178,6 +178,8 @@ pub struct Options {
     /// The session service's `[sessions.planner]` and `[sessions.llm]`.
     pub planner: aip_sessions::settings::PlannerSettings,
     pub llm: aip_sessions::settings::LlmSettings,
+    /// Any other change to the session service's settings.
+    pub sessions_settings: Option<fn(&mut aip_sessions::SessionSettings)>,
 }
 
 impl Default for Options {
@@ -194,6 +196,7 @@ impl Default for Options {
             max_frame_bytes: None,
             planner: aip_sessions::SessionSettings::default().planner,
             llm: aip_sessions::SessionSettings::default().llm,
+            sessions_settings: None,
         }
     }
 }
@@ -316,6 +319,9 @@ impl Stack {
             settings.sessions.command_timeout_secs = options.command_timeout_secs;
             settings.sessions.planner = options.planner.clone();
             settings.sessions.llm = options.llm.clone();
+            if let Some(configure) = options.sessions_settings {
+                configure(&mut settings.sessions);
+            }
             let db = stack.connect_db().await?;
             let app = aip_sessions::Application::build(settings, bus.clone(), db)
                 .await

@@ -29,6 +29,7 @@ use proto_schemas::{ClientType, ErrorBody, ErrorCode, PlannerName, ServerMessage
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::callbacks::Callbacks;
 use crate::machine::{CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::planners::{PlanJob, Planned, Planners};
@@ -218,6 +219,7 @@ pub struct Engine {
     subjects: Subjects,
     settings: SessionSettings,
     planners: Arc<Planners>,
+    callbacks: Arc<Callbacks>,
     blobs: aip_bus::BlobStore,
     ops: mpsc::Sender<Op>,
     leading: Arc<AtomicBool>,
@@ -244,6 +246,7 @@ impl Engine {
         subjects: Subjects,
         settings: SessionSettings,
         planners: Planners,
+        callbacks: Callbacks,
     ) -> (Self, Applier) {
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
         let (tx, rx) = mpsc::channel(settings.max_in_flight.max(MIN_IN_FLIGHT) * OP_QUEUE_FACTOR);
@@ -259,6 +262,7 @@ impl Engine {
             subjects,
             settings,
             planners: Arc::new(planners),
+            callbacks: Arc::new(callbacks),
             blobs,
             ops: tx,
             leading: Arc::new(AtomicBool::new(false)),
@@ -285,6 +289,15 @@ impl Engine {
 
     pub fn settings(&self) -> &SessionSettings {
         &self.settings
+    }
+
+    /// How callbacks are delivered.
+    pub fn callbacks(&self) -> &Callbacks {
+        &self.callbacks
+    }
+
+    pub(crate) fn callbacks_arc(&self) -> Arc<Callbacks> {
+        self.callbacks.clone()
     }
 
     /// The planners this replica reaches.

@@ -36,6 +36,7 @@ use crate::engine::{
     Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
 };
 use crate::store::{ListFilter, NUL, StoreError, storable};
+use crate::task::rfc3339;
 use crate::workers::new_task_from_request;
 
 impl From<StoreError> for ApiError {
@@ -67,6 +68,8 @@ fn api_routes() -> OpenApiRouter<Engine> {
         .routes(routes!(cancel_task))
         .routes(routes!(send_commands))
         .routes(routes!(complete_task))
+        .routes(routes!(task_callbacks))
+        .routes(routes!(redeliver_callbacks))
         .routes(routes!(ufo_dispatch))
         .routes(routes!(ufo_task_result))
 }
@@ -149,7 +152,12 @@ async fn create_task(
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Response, ApiError> {
     let request: TaskRequest = read_body(whole_numbers(body, WHOLE_NUMBER_FIELDS))?;
-    let new = new_task_from_request(request, Requester::Rest, engine.planners())?;
+    let new = new_task_from_request(
+        request,
+        Requester::Rest,
+        engine.planners(),
+        engine.callbacks(),
+    )?;
     let started = engine.submit(new).await?;
     Ok((StatusCode::CREATED, Json(started.task.view())).into_response())
 }
@@ -435,6 +443,154 @@ async fn task_events(
         task_id: id,
         events,
     }))
+}
+
+/// One attempt at delivering a callback.
+#[derive(Debug, Serialize, ToSchema)]
+struct CallbackAttempt {
+    /// 1 for the first attempt; redeliveries go on counting.
+    attempt: i32,
+    /// When it started (RFC 3339).
+    at: String,
+    /// How long it took.
+    duration_ms: i64,
+    /// The receiver's HTTP status, if it answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<i32>,
+    /// Why it did not deliver.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// A callback and its delivery log.
+#[derive(Debug, Serialize, ToSchema)]
+struct CallbackView {
+    /// Its `webhook-id`: `<task_id>:<event seq>`.
+    callback_id: String,
+    /// The URL.
+    target: String,
+    /// `pending`, `delivered`, `gone` (the receiver answered 410) or `dead` (attempts ran out).
+    state: String,
+    /// The CallbackNotification sent, byte for byte as signed.
+    #[schema(value_type = Object)]
+    notification: Value,
+    /// Attempts made.
+    attempts: i32,
+    /// When a pending callback is tried next (RFC 3339).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next_attempt_at: Option<String>,
+    /// When it was written (RFC 3339).
+    created_at: String,
+    /// The last change (RFC 3339).
+    updated_at: String,
+    /// Every attempt, in order.
+    log: Vec<CallbackAttempt>,
+}
+
+/// A task's callbacks.
+#[derive(Debug, Serialize, ToSchema)]
+struct TaskCallbacks {
+    /// The task.
+    task_id: String,
+    /// In the order they were written.
+    callbacks: Vec<CallbackView>,
+}
+
+/// A task's callbacks (one per state its requester is told of over HTTP) and every delivery
+/// attempt.
+#[utoipa::path(
+    get,
+    path = "/api/tasks/{id}/callbacks",
+    operation_id = "task_callbacks",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    responses(
+        (status = 200, description = "the callbacks and their delivery logs", body = TaskCallbacks),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
+async fn task_callbacks(
+    State(engine): State<Engine>,
+    Path(id): Path<String>,
+) -> Result<Json<TaskCallbacks>, ApiError> {
+    possible_id(&id)?;
+    engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    let (callbacks, attempts) = engine.store.callbacks(&id).await?;
+    let callbacks = callbacks
+        .into_iter()
+        .map(|c| CallbackView {
+            log: attempts
+                .iter()
+                .filter(|a| a.callback_id == c.callback_id)
+                .map(|a| CallbackAttempt {
+                    attempt: a.attempt,
+                    at: rfc3339(a.at_ms),
+                    duration_ms: a.duration_ms,
+                    status: a.status,
+                    error: a.error.clone(),
+                })
+                .collect(),
+            notification: serde_json::from_str(&c.payload).unwrap_or(Value::String(c.payload)),
+            next_attempt_at: (c.state == "pending").then(|| rfc3339(c.next_attempt_ms)),
+            callback_id: c.callback_id,
+            target: c.target,
+            state: c.state,
+            attempts: c.attempts,
+            created_at: rfc3339(c.created_ms),
+            updated_at: rfc3339(c.updated_ms),
+        })
+        .collect();
+    Ok(Json(TaskCallbacks {
+        task_id: id,
+        callbacks,
+    }))
+}
+
+/// How many callbacks were queued again.
+#[derive(Debug, Serialize, ToSchema)]
+struct Redelivered {
+    /// The task.
+    task_id: String,
+    /// Callbacks queued again (delivered, gone or dead ones), each with a fresh budget.
+    requeued: u64,
+}
+
+/// Queues a task's callbacks that are no longer pending (delivered, gone or dead-lettered)
+/// again, each with a fresh budget of attempts and the same `webhook-id`.
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/callbacks/redeliver",
+    operation_id = "redeliver_callbacks",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    responses(
+        (status = 202, description = "queued again", body = Redelivered),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "the task has no callback that is not pending", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
+async fn redeliver_callbacks(
+    State(engine): State<Engine>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<Redelivered>), ApiError> {
+    possible_id(&id)?;
+    engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    let requeued = engine.store.redeliver_callbacks(&id).await?;
+    if requeued == 0 {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("task '{id}' has no callback to deliver again (none, or all still pending)"),
+        ));
+    }
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(Redelivered {
+            task_id: id,
+            requeued,
+        }),
+    ))
 }
 
 /// A task's event log as Server-Sent Events from `after` (or the `Last-Event-ID` header), one

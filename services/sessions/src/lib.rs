@@ -14,6 +14,7 @@
 //! gateway that wrote it to the client's socket acknowledges it ([`workers`] sends again what
 //! nobody acknowledged, from a NATS restart or a crash).
 
+pub mod callbacks;
 pub mod engine;
 pub mod http;
 pub mod machine;
@@ -103,6 +104,10 @@ impl Application {
                 leader_engine.clone(),
                 term.clone(),
             ));
+            tokio::spawn(callbacks::run_callbacks(
+                leader_engine.clone(),
+                term.clone(),
+            ));
             tokio::spawn(workers::serve_submissions(
                 leader_engine.clone(),
                 term,
@@ -163,8 +168,21 @@ impl runner::Service for Application {
             planners::Planners::new(&settings.sessions, &|name| std::env::var(name).ok())
                 .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
         tracing::info!(default = %planners.default_planner(), "planner for tasks without steps");
-        let (engine, applier) =
-            Engine::new(store, bus, subjects, settings.sessions.clone(), planners);
+        let callbacks = callbacks::Callbacks::new(&settings.sessions)
+            .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
+        if !callbacks.signed() {
+            tracing::warn!(
+                "callbacks go unsigned: set AIP_SESSIONS__CALLBACK_SECRET (whsec_…) to sign them"
+            );
+        }
+        let (engine, applier) = Engine::new(
+            store,
+            bus,
+            subjects,
+            settings.sessions.clone(),
+            planners,
+            callbacks,
+        );
         workers::ensure_frames_stream(&engine).await?;
         let acks = engine.bus().subscribe(engine.ack_subject()).await?;
         let listener =

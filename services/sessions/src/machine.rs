@@ -1032,7 +1032,10 @@ impl Machine {
             "error": task.error.as_ref().map(|e| &e.detail),
             "error_code": task.error.as_ref().map(|e| e.code.as_str()),
         });
-        self.event(task, EventKind::Ended(state), Some(data));
+        let seq = self.event(task, EventKind::Ended(state), Some(data));
+        if let Some(callback) = crate::callbacks::notification(task, seq) {
+            self.pending.batch.callbacks.push(callback);
+        }
         self.planning.remove(&task.task_id);
 
         let status = if state == TaskState::Completed {

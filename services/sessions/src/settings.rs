@@ -69,6 +69,20 @@ pub struct SessionSettings {
     pub outbox_retention_ms: u64,
     /// On SIGTERM, how long to let work in progress finish.
     pub shutdown_grace_ms: u64,
+    /// Signs callbacks as Standard Webhooks do: `whsec_` and base64. A list (or one
+    /// comma-separated string) signs with each, for key rotation. Empty: callbacks go unsigned.
+    #[serde(deserialize_with = "aip_runtime::settings::string_or_list")]
+    pub callback_secret: Vec<String>,
+    /// Allow callback URLs on loopback, private, link-local and other non-public addresses.
+    pub callback_allow_private: bool,
+    /// Attempts per callback before it is dead-lettered.
+    pub callback_max_attempts: u32,
+    /// How long one callback attempt may take.
+    pub callback_timeout_ms: u64,
+    /// The wait before the second attempt; it doubles each time (with jitter).
+    pub callback_backoff_ms: u64,
+    /// The longest wait between two attempts (also the cap on a receiver's `Retry-After`).
+    pub callback_max_backoff_ms: u64,
     /// Who plans tasks without steps (`[sessions.planner]`, `AIP_SESSIONS__PLANNER__…`).
     pub planner: PlannerSettings,
     /// The built-in tool-calling agent (`[sessions.llm]`, `AIP_SESSIONS__LLM__…`).
@@ -177,6 +191,12 @@ impl Default for SessionSettings {
             leader_lease_ms: 5_000,
             outbox_retention_ms: 120_000,
             shutdown_grace_ms: 10_000,
+            callback_secret: Vec::new(),
+            callback_allow_private: false,
+            callback_max_attempts: 8,
+            callback_timeout_ms: 10_000,
+            callback_backoff_ms: 1_000,
+            callback_max_backoff_ms: 600_000,
             planner: PlannerSettings {
                 attempts: 3,
                 ..PlannerSettings::default()
@@ -239,6 +259,8 @@ impl ServiceSettings for Settings {
             ));
         }
         crate::planners::Planners::check(&self.sessions, &|name| std::env::var(name).ok())
+            .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
+        crate::callbacks::Callbacks::new(&self.sessions)
             .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
         Ok(())
     }

@@ -364,6 +364,13 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
     let outbox = [param("text[]"), param("text[]"), param("bytea[]")].join(", ");
     let published = param("text[]");
     let prune_before = param("int8");
+    let callbacks = [
+        param("text[]"),
+        param("text[]"),
+        param("text[]"),
+        param("text[]"),
+    ]
+    .join(", ");
     let leading = "EXISTS (SELECT 1 FROM lease)";
     format!(
         "WITH lease AS (\
@@ -388,7 +395,13 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
          deleted_outbox AS (\
              DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
          pruned AS (\
-             DELETE FROM processed_messages WHERE at_ms < {prune_before} AND {leading}) \
+             DELETE FROM processed_messages WHERE at_ms < {prune_before} AND {leading}), \
+         written_callbacks AS (\
+             INSERT INTO task_callbacks (callback_id, task_id, target, payload, state, \
+                 next_attempt_ms, created_ms, updated_ms) \
+             SELECT id, task_id, target, payload, 'pending', {now}, {now}, {now} \
+             FROM UNNEST({callbacks}) AS u(id, task_id, target, payload) WHERE {leading} \
+             ON CONFLICT (callback_id) DO NOTHING) \
          SELECT count(*) FROM lease",
         names = column_names(),
         task_select = task_select.join(", "),
@@ -648,6 +661,18 @@ pub struct OutFrame {
     pub payload: Vec<u8>,
 }
 
+/// A callback to deliver, written with the state change it tells of.
+#[derive(Debug, Clone)]
+pub struct NewCallback {
+    /// `<task_id>:<event seq>`: the `webhook-id`.
+    pub callback_id: String,
+    pub task_id: String,
+    /// The URL.
+    pub target: String,
+    /// The CallbackNotification as JSON text (sent and signed as is).
+    pub payload: String,
+}
+
 /// Everything one group commit writes, in one transaction.
 #[derive(Debug, Default)]
 pub struct Batch {
@@ -663,6 +688,8 @@ pub struct Batch {
     pub published: Vec<String>,
     /// Forget processed-frame ids older than this (epoch ms).
     pub prune_processed_before: Option<i64>,
+    /// Callbacks to deliver.
+    pub callbacks: Vec<NewCallback>,
 }
 
 impl Batch {
@@ -674,6 +701,7 @@ impl Batch {
             && self.outbox.is_empty()
             && self.published.is_empty()
             && self.prune_processed_before.is_none()
+            && self.callbacks.is_empty()
     }
 }
 
@@ -887,6 +915,24 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
             .execute(&mut *tx)
             .await?;
     }
+    for rows in sized_chunks(&batch.callbacks) {
+        let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            "INSERT INTO task_callbacks (callback_id, task_id, target, payload, state, \
+             next_attempt_ms, created_ms, updated_ms) ",
+        );
+        q.push_values(rows, |mut b, c| {
+            b.push_bind(c.callback_id.clone())
+                .push_bind(c.task_id.clone())
+                .push_bind(c.target.clone())
+                .push_bind(c.payload.clone())
+                .push_bind("pending")
+                .push_bind(now)
+                .push_bind(now)
+                .push_bind(now);
+        });
+        q.push(" ON CONFLICT (callback_id) DO NOTHING");
+        q.build().execute(&mut *tx).await?;
+    }
     Ok(tx.commit().await?)
 }
 
@@ -952,6 +998,7 @@ async fn write_pg(
             source,
         })?;
     let o = &batch.outbox;
+    let c = &batch.callbacks;
     let bytes = rows
         .iter()
         .flatten()
@@ -961,6 +1008,7 @@ async fn write_pg(
         })
         .chain(data.iter().map(|d| d.as_ref().map_or(0, String::len)))
         .chain(o.iter().map(|f| f.payload.len()))
+        .chain(c.iter().map(|c| c.payload.len()))
         .sum::<usize>();
     let renewed = q
         .bind(e.iter().map(|e| e.task_id.as_str()).collect::<Vec<_>>())
@@ -976,6 +1024,10 @@ async fn write_pg(
         .bind(o.iter().map(|f| f.payload.as_ref()).collect::<Vec<&[u8]>>())
         .bind(&batch.published)
         .bind(batch.prune_processed_before)
+        .bind(c.iter().map(|c| c.callback_id.as_str()).collect::<Vec<_>>())
+        .bind(c.iter().map(|c| c.task_id.as_str()).collect::<Vec<_>>())
+        .bind(c.iter().map(|c| c.target.as_str()).collect::<Vec<_>>())
+        .bind(c.iter().map(|c| c.payload.as_str()).collect::<Vec<_>>())
         .fetch_one(&mut *conn)
         .await?;
     if renewed != 1 {
@@ -1297,6 +1349,176 @@ impl TaskStore {
     }
 }
 
+/// Due callbacks, claimed: each is pushed `$2` ms into the future so that no other replica
+/// (nor this one's next sweep) takes it while it is being delivered. PostgreSQL re-checks the
+/// outer conditions on a row another replica claimed meanwhile, so one claim wins.
+static CLAIM_CALLBACKS: Sql = Sql::same(
+    "UPDATE task_callbacks SET next_attempt_ms = $1 + $2 \
+     WHERE callback_id IN (SELECT callback_id FROM task_callbacks \
+         WHERE state = 'pending' AND next_attempt_ms <= $1 ORDER BY next_attempt_ms LIMIT $3) \
+     AND state = 'pending' AND next_attempt_ms <= $1 \
+     RETURNING callback_id, task_id, target, payload, attempts, attempts_base",
+);
+static RECORD_ATTEMPT: Sql = Sql::same(
+    "INSERT INTO callback_attempts (callback_id, attempt, at_ms, duration_ms, status, error) \
+     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (callback_id, attempt) DO NOTHING",
+);
+static SETTLE_CALLBACK: Sql = Sql::same(
+    "UPDATE task_callbacks SET state = $2, attempts = $3, next_attempt_ms = $4, updated_ms = $5, \
+     last_status = $6, last_error = $7 WHERE callback_id = $1",
+);
+static TASK_CALLBACKS: Sql = Sql::same(
+    "SELECT callback_id, task_id, target, payload, state, attempts, attempts_base, \
+     next_attempt_ms, created_ms, updated_ms, last_status, last_error \
+     FROM task_callbacks WHERE task_id = $1 ORDER BY created_ms, callback_id",
+);
+static CALLBACK_ATTEMPTS: Sql = Sql::same(
+    "SELECT a.callback_id, a.attempt, a.at_ms, a.duration_ms, a.status, a.error \
+     FROM callback_attempts a JOIN task_callbacks c ON c.callback_id = a.callback_id \
+     WHERE c.task_id = $1 ORDER BY a.callback_id, a.attempt",
+);
+static REDELIVER_CALLBACKS: Sql = Sql::same(
+    "UPDATE task_callbacks SET state = 'pending', attempts_base = attempts, \
+     next_attempt_ms = $2, updated_ms = $2 WHERE task_id = $1 AND state <> 'pending'",
+);
+
+/// A callback claimed for delivery.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct DueCallback {
+    pub callback_id: String,
+    pub task_id: String,
+    pub target: String,
+    pub payload: String,
+    /// Attempts made before this one.
+    pub attempts: i32,
+    /// `attempts` when it was last queued (the budget counts from here).
+    pub attempts_base: i32,
+}
+
+/// A stored callback, as REST shows it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct CallbackRecord {
+    pub callback_id: String,
+    pub task_id: String,
+    pub target: String,
+    pub payload: String,
+    pub state: String,
+    pub attempts: i32,
+    pub attempts_base: i32,
+    pub next_attempt_ms: i64,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+}
+
+/// One delivery attempt.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct AttemptRecord {
+    pub callback_id: String,
+    pub attempt: i32,
+    pub at_ms: i64,
+    pub duration_ms: i64,
+    pub status: Option<i32>,
+    pub error: Option<String>,
+}
+
+/// How one attempt ended, and what follows.
+#[derive(Debug, Clone)]
+pub struct Settled {
+    /// `pending`, `delivered`, `gone` or `dead`.
+    pub state: &'static str,
+    /// Attempts made, this one included.
+    pub attempts: i32,
+    /// When to try again (pending), or now.
+    pub next_attempt_ms: i64,
+    pub status: Option<i32>,
+    pub error: Option<String>,
+}
+
+impl TaskStore {
+    /// Claims up to `limit` due callbacks for `claim_ms`.
+    pub async fn claim_callbacks(
+        &self,
+        now: i64,
+        claim_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<DueCallback>, StoreError> {
+        Ok(self
+            .db
+            .query(&CLAIM_CALLBACKS)
+            .bind(now)
+            .bind(claim_ms)
+            .bind(limit)
+            .fetch_all()
+            .await?)
+    }
+
+    /// Records an attempt in the delivery log and its outcome on the callback.
+    pub async fn settle_callback(
+        &self,
+        callback_id: &str,
+        at_ms: i64,
+        duration_ms: i64,
+        settled: &Settled,
+    ) -> Result<(), StoreError> {
+        self.db
+            .query(&RECORD_ATTEMPT)
+            .bind(callback_id.to_owned())
+            .bind(settled.attempts)
+            .bind(at_ms)
+            .bind(duration_ms)
+            .bind(settled.status)
+            .bind(settled.error.clone())
+            .execute()
+            .await?;
+        self.db
+            .query(&SETTLE_CALLBACK)
+            .bind(callback_id.to_owned())
+            .bind(settled.state)
+            .bind(settled.attempts)
+            .bind(settled.next_attempt_ms)
+            .bind(now_ms())
+            .bind(settled.status)
+            .bind(settled.error.clone())
+            .execute()
+            .await?;
+        Ok(())
+    }
+
+    /// A task's callbacks and every attempt at them.
+    pub async fn callbacks(
+        &self,
+        task_id: &str,
+    ) -> Result<(Vec<CallbackRecord>, Vec<AttemptRecord>), StoreError> {
+        let callbacks = self
+            .db
+            .query(&TASK_CALLBACKS)
+            .bind(task_id.to_owned())
+            .fetch_all()
+            .await?;
+        let attempts = self
+            .db
+            .query(&CALLBACK_ATTEMPTS)
+            .bind(task_id.to_owned())
+            .fetch_all()
+            .await?;
+        Ok((callbacks, attempts))
+    }
+
+    /// Queues a task's delivered, gone and dead callbacks again, with a fresh budget of
+    /// attempts; returns how many.
+    pub async fn redeliver_callbacks(&self, task_id: &str) -> Result<u64, StoreError> {
+        Ok(self
+            .db
+            .query(&REDELIVER_CALLBACKS)
+            .bind(task_id.to_owned())
+            .bind(now_ms())
+            .execute()
+            .await?)
+    }
+}
+
 /// Filters of `GET /api/tasks`.
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
@@ -1337,9 +1559,11 @@ mod tests {
     fn the_statements_come_from_the_one_column_list() {
         assert_eq!(COLUMNS.len(), 31);
         let upsert = PG_WRITE_GROUP.as_str();
-        // The lease's four parameters, then the tasks' 31 columns, then the other tables'.
+        // The lease's four parameters, then the tasks' 31 columns, then the other tables',
+        // then the callbacks' four.
         assert!(upsert.contains("$5::text[]") && upsert.contains("$35::int8[]"));
-        assert!(upsert.contains("$48::int8") && !upsert.contains("$49"));
+        assert!(upsert.contains("$48::int8") && upsert.contains("$52::text[]"));
+        assert!(!upsert.contains("$53"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(

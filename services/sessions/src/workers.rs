@@ -12,6 +12,7 @@ use proto_schemas::{ErrorBody, ErrorCode};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::callbacks::Callbacks;
 use crate::engine::{
     Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
@@ -437,7 +438,12 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
         tracker.spawn(async move {
             let reply: Reply<TaskAccepted> = match read_submission(&message.payload) {
                 Ok(request) => {
-                    match new_task_from_request(request, Requester::Nats, engine.planners()) {
+                    match new_task_from_request(
+                        request,
+                        Requester::Nats,
+                        engine.planners(),
+                        engine.callbacks(),
+                    ) {
                         Ok(new) => match engine.submit(new).await {
                             Ok(started) => Reply::Ok(accepted(&started.task)),
                             Err(EngineError::Refused(body)) => Reply::Error(body),
@@ -497,6 +503,7 @@ pub fn new_task_from_request(
     request: TaskRequest,
     requester: impl FnOnce(String) -> Requester,
     planners: &Planners,
+    callbacks: &Callbacks,
 ) -> Result<NewTask, ErrorBody> {
     let invalid = |detail: String| ErrorBody::new(ErrorCode::InvalidRequest, detail);
     if request.description.trim().is_empty() {
@@ -517,6 +524,9 @@ pub fn new_task_from_request(
             "`task_id` must be 1 to {} bytes",
             proto_schemas::MAX_ID_BYTES
         )));
+    }
+    if let Some(url) = &request.callback_url {
+        callbacks.check_url(url).map_err(invalid)?;
     }
     let placement = match (&request.target_id, request.required_capabilities.is_empty()) {
         (Some(target), _) => Placement::Target(target.clone()),

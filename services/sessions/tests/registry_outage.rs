@@ -1,6 +1,7 @@
 //! A registry that restarts delays the tasks that need it; it does not refuse them.
 
 use aip_bus::{Headers, respond};
+use aip_sessions::callbacks::Callbacks;
 use aip_sessions::engine::{Engine, NewTask, Placement, Plan, Requester};
 use aip_sessions::planners::Planners;
 use aip_sessions::settings::SessionSettings;
@@ -22,6 +23,7 @@ async fn a_task_waits_for_a_registry_that_comes_back(backend: Backend) {
         subjects.clone(),
         SessionSettings::default(),
         Planners::new(&SessionSettings::default(), &|_| None).expect("planners"),
+        Callbacks::new(&SessionSettings::default()).expect("callbacks"),
     );
 
     // No registry runs when the task arrives; one starts a second and a half later.
