@@ -112,7 +112,7 @@ pub struct HandoffNotification {
 }
 
 /// The executor needs an answer before it can go on.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct ClarificationRequest {
     /// Always 1.
     pub version: V1,
@@ -127,10 +127,13 @@ pub struct ClarificationRequest {
     pub data: Option<Value>,
     /// The agent asking.
     pub requested_by: String,
+    /// When the task fails unless the question is answered (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
 }
 
 /// The answer to a [`ClarificationRequest`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct ClarificationResponse {
     /// Always 1.
     pub version: V1,
@@ -179,6 +182,9 @@ pub struct CallbackNotification {
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The open question, when the task waits for an answer (`input_required`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clarification: Option<ClarificationRequest>,
 }
 
 /// An error about a task (or none), from any party.

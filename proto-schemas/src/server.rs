@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 
 use crate::enums::{ClientMessageType, Extension, ServerMessageType as T, TaskStatus};
 use crate::error::ErrorCode;
+use crate::flow::{ClarificationRequest, ClarificationResponse};
 use crate::frames::{Command, ServerMessage};
 
 /// The current time in UFO's format: ISO 8601, microseconds, `+00:00`.
@@ -180,6 +181,34 @@ pub fn task_end(
     m.result = result;
     m.error = error;
     m
+}
+
+/// Extension `clarification_request`, to a requester that announced `clarification`: the task
+/// waits for the answer. The question is in `metadata` (a ClarificationRequest) and, as text,
+/// in `user_request`.
+pub fn clarification_request(request: &ClarificationRequest) -> ServerMessage {
+    let mut m = stamped(T::ClarificationRequest, TaskStatus::Continue);
+    m.session_id = Some(request.task_id.clone());
+    m.user_request = Some(request.question.clone());
+    m.metadata = as_object(request);
+    m
+}
+
+/// Extension `clarification_response`, to the executor that asked: the answer is in
+/// `metadata` (a ClarificationResponse) and, as text, in `user_request`.
+pub fn clarification_response(response: &ClarificationResponse) -> ServerMessage {
+    let mut m = stamped(T::ClarificationResponse, TaskStatus::Continue);
+    m.session_id = Some(response.task_id.clone());
+    m.user_request = Some(response.answer.clone());
+    m.metadata = as_object(response);
+    m
+}
+
+fn as_object(value: &impl serde::Serialize) -> Option<crate::frames::JsonObject> {
+    match serde_json::to_value(value) {
+        Ok(Value::Object(object)) => Some(object),
+        _ => None,
+    }
 }
 
 /// A server `task` frame: what `POST /api/dispatch` sends a UFO device, which answers by

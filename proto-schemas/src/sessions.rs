@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use crate::enums::{ClientType, Extension, Platform};
 use crate::error::ErrorCode;
+use crate::flow::ClarificationRequest;
 use crate::frames::{ActionResult, ClientMessage, Command};
 use crate::version::V1;
 
@@ -146,7 +147,7 @@ impl TaskState {
         match (self, next) {
             (_, Failed | Canceled) => true,
             (Submitted, Dispatched | Rejected) => true,
-            (Dispatched, Working | Completed | Submitted) => true,
+            (Dispatched, Working | Completed | Submitted | InputRequired) => true,
             (Working, InputRequired | Completed | Working | Dispatched) => true,
             (InputRequired, Working) => true,
             _ => false,
@@ -221,6 +222,23 @@ pub enum PlanStep {
         /// Why.
         error: String,
     },
+    /// Ask the requester a question; the task waits in `input_required`. The next request's
+    /// `last_results` holds one Result with the answer (`clarification_id`, `question`,
+    /// `answer`, `data`), carrying `call_id`.
+    Clarify {
+        /// The question.
+        question: String,
+        /// Structured detail of what is needed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data: Option<Value>,
+        /// Fail the task if no answer comes within this many seconds (at most the service's
+        /// `clarification_timeout_secs`, also the default).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout_secs: Option<u64>,
+        /// Returned as the answer's Result's `call_id` (the built-in agent's tool call id).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        call_id: Option<String>,
+    },
 }
 
 /// One entry of a task's event log.
@@ -275,6 +293,9 @@ pub struct TaskView {
     pub updated_at: String,
     /// Events so far.
     pub events: i64,
+    /// The open question, while the task is `input_required`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clarification: Option<ClarificationRequest>,
 }
 
 /// One chunk of a stored large body (raw bytes of the original payload, not JSON).

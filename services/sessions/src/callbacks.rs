@@ -48,8 +48,8 @@ const CLAIM_MARGIN_MS: i64 = 5_000;
 /// Bytes of an error body kept in the delivery log.
 const QUOTED_BODY_BYTES: usize = 200;
 
-/// The callback a task's end sends, if it has a callback URL: written with the `ended` event
-/// whose sequence number is `seq`.
+/// The callback of a task's change (its end, or a question for its requester), if it has a
+/// callback URL: written with the event whose sequence number is `seq`.
 pub fn notification(task: &Task, seq: i64) -> Option<NewCallback> {
     let target = task.callback_url.clone()?;
     let state = task.state();
@@ -66,6 +66,7 @@ pub fn notification(task: &Task, seq: i64) -> Option<NewCallback> {
         sent_to: target.clone(),
         state: Some(state),
         error: task.error.as_ref().map(|e| e.detail.clone()),
+        clarification: task.waiting.question().map(|q| q.request(&task.task_id)),
     };
     let payload = match serde_json::to_string(&payload) {
         Ok(payload) => payload,

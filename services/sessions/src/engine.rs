@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::callbacks::Callbacks;
-use crate::machine::{CommandStep, Machine, Refusal};
+use crate::machine::{Answer, CommandStep, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::planners::{PlanJob, Planned, Planners};
 use crate::settings::SessionSettings;
@@ -116,6 +116,12 @@ pub(crate) enum Op {
     Cancel {
         task_id: String,
         reason: String,
+        reply: Reply<Task>,
+    },
+    /// An answer to a task's open question, over REST or NATS.
+    Answer {
+        task_id: String,
+        answer: Answer,
         reply: Reply<Task>,
     },
 }
@@ -458,6 +464,23 @@ impl Engine {
             .apply(|reply| Op::Cancel {
                 task_id,
                 reason,
+                reply,
+            })
+            .await;
+        self.answer(result).await
+    }
+
+    /// Answers a task's open question; the task goes on.
+    pub async fn answer_question(
+        &self,
+        task_id: &str,
+        answer: Answer,
+    ) -> Result<Task, EngineError> {
+        let task_id = task_id.to_owned();
+        let result = self
+            .apply(|reply| Op::Answer {
+                task_id,
+                answer,
                 reply,
             })
             .await;
@@ -851,6 +874,7 @@ fn task_of_frame(
         id: inbound.client_id.clone(),
         client_type: inbound.client_type,
         connection: Some(inbound.connection_id.clone()),
+        extensions: inbound.extensions.clone(),
     };
     let request = frame.request.clone().unwrap_or_default();
     let new = NewTask {
@@ -1243,6 +1267,14 @@ fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
             reply,
         } => {
             let result = core.cancel(&task_id, &reason);
+            waiters.push(Waiter::Task(reply, result));
+        }
+        Op::Answer {
+            task_id,
+            answer,
+            reply,
+        } => {
+            let result = core.answer(&task_id, answer, None);
             waiters.push(Waiter::Task(reply, result));
         }
     }

@@ -35,6 +35,7 @@ use utoipa_axum::routes;
 use crate::engine::{
     Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
 };
+use crate::machine::{Answer, Answerer};
 use crate::store::{ListFilter, NUL, StoreError, storable};
 use crate::task::rfc3339;
 use crate::workers::new_task_from_request;
@@ -69,6 +70,7 @@ fn api_routes() -> OpenApiRouter<Engine> {
         .routes(routes!(send_commands))
         .routes(routes!(complete_task))
         .routes(routes!(task_callbacks))
+        .routes(routes!(answer_clarification))
         .routes(routes!(redeliver_callbacks))
         .routes(routes!(ufo_dispatch))
         .routes(routes!(ufo_task_result))
@@ -883,6 +885,62 @@ async fn complete_task(
     possible_id(&id)?;
     let body: CompleteBody = read_body(body)?;
     let task = engine.complete(&id, body.result, body.error).await?;
+    Ok(Json(task.view()))
+}
+
+/// Body of `POST /api/tasks/{id}/clarifications/{clarification_id}`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct AnswerBody {
+    /// The answer; not blank.
+    #[schema(
+        pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+    )]
+    answer: String,
+    /// Structured detail.
+    #[serde(default)]
+    data: Option<Value>,
+    /// Who answers (shown as `rest:<name>`; default `api`).
+    #[serde(default)]
+    #[schema(nullable = false)]
+    provided_by: Option<String>,
+}
+
+/// Answers a task's open question (`input_required`, see `clarification` in the task): the
+/// task goes on in `working`, and the answer reaches whoever asked (the executor by frame, or
+/// the planner in its next request). Accepted once.
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/clarifications/{clarification_id}",
+    operation_id = "answer_clarification",
+    tag = "tasks",
+    params(
+        ("id" = String, Path, description = "the task id"),
+        ("clarification_id" = String, Path, description = "the open question's id"),
+    ),
+    request_body = AnswerBody,
+    responses(
+        (status = 200, description = "the task, going on", body = TaskView),
+        (status = 400, description = "an empty answer, or a body of the wrong shape", body = ErrorBody),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "not the open question (answered already, or another one), or the task has ended", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
+async fn answer_clarification(
+    State(engine): State<Engine>,
+    Path((id, clarification_id)): Path<(String, String)>,
+    JsonBody(body): JsonBody<Value>,
+) -> Result<Json<TaskView>, ApiError> {
+    possible_id(&id)?;
+    let body: AnswerBody = read_body(body)?;
+    let answer = Answer {
+        clarification_id,
+        text: body.answer,
+        data: body.data,
+        by: Answerer::Rest(body.provided_by.unwrap_or_else(|| "api".to_owned())),
+    };
+    let task = engine.answer_question(&id, answer).await?;
     Ok(Json(task.view()))
 }
 

@@ -14,19 +14,22 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use proto_schemas::flow::ClarificationResponse;
 use proto_schemas::registry::AgentRecord;
 use proto_schemas::server::{self, CommandTarget};
 use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep, TaskState};
 use proto_schemas::{
-    ActionResult, ClientMessageType, Command, ErrorBody, ErrorCode, Extension, ServerMessage,
-    Subjects, TaskStatus, V1,
+    ActionResult, ClientMessageType, Command, ErrorBody, ErrorCode, Extension, ResultStatus,
+    ServerMessage, Subjects, TaskStatus, V1,
 };
 use serde_json::{Value, json};
 
 use crate::planners::{PlanJob, Planned, PlannerError};
 use crate::settings::SessionSettings;
 use crate::store::{Batch, NewEvent, OutFrame};
-use crate::task::{EventKind, ExecutorRef, InvalidTransition, Task, TaskError, Waiting, now_ms};
+use crate::task::{
+    Asker, EventKind, ExecutorRef, InvalidTransition, Question, Task, TaskError, Waiting, now_ms,
+};
 pub use crate::task::{Plan, Requester};
 use crate::tombstones::{Owner, Tombstones};
 
@@ -620,6 +623,21 @@ impl Machine {
                 let error = TaskError::new(ErrorCode::CommandFailed, error);
                 self.finish(task, TaskState::Failed, None, Some(error))
             }
+            Ok(PlanStep::Clarify {
+                question,
+                data,
+                timeout_secs,
+                call_id,
+            }) => self.ask(
+                task,
+                Asking {
+                    id: None,
+                    text: question,
+                    data,
+                    asked_by: Asker::Planner { call_id },
+                    timeout_secs,
+                },
+            ),
             Err(e) => {
                 let error = TaskError::new(e.code(), e.to_string());
                 self.finish(task, TaskState::Failed, None, Some(error))
@@ -724,6 +742,32 @@ impl Machine {
             }
             ClientMessageType::CommandResults => self.results(inbound, msg_id),
             ClientMessageType::TaskEnd => self.client_task_end(inbound, msg_id),
+            ClientMessageType::ClarificationRequest => self.executor_asks(inbound, msg_id),
+            ClientMessageType::ClarificationResponse => {
+                let frame = &inbound.frame;
+                Self::extension_check(inbound, Extension::Clarification)?;
+                let meta = |key: &str| frame.metadata_value(key);
+                let Some(clarification_id) = meta("clarification_id").and_then(Value::as_str)
+                else {
+                    return Err(Refusal::now(
+                        ErrorCode::ProtocolError,
+                        "clarification_response: `metadata.clarification_id` is required",
+                    ));
+                };
+                let answer = frame
+                    .request
+                    .clone()
+                    .or_else(|| meta("answer").and_then(Value::as_str).map(str::to_owned))
+                    .unwrap_or_default();
+                let answer = Answer {
+                    clarification_id: clarification_id.to_owned(),
+                    text: answer,
+                    data: meta("data").cloned(),
+                    by: Answerer::Client(inbound.client_id.clone()),
+                };
+                let session = frame.session_id.clone().unwrap_or_default();
+                self.answer(&session, answer, Some(msg_id)).map(|_| ())
+            }
             other => Err(Refusal::now(
                 ErrorCode::ProtocolError,
                 format!("`{other}` frames are not handled by this broker yet"),
@@ -991,7 +1035,12 @@ impl Machine {
         let command_timeout = self.settings.command_timeout_secs;
         for id in due {
             self.change_internally(&id, "expiring a task", |core, task| {
-                let detail = if task.task_deadline_ms < now {
+                let detail = if let Some(q) = task.waiting.question() {
+                    format!(
+                        "the question `{}` ({:?}) was not answered in time",
+                        q.id, q.text
+                    )
+                } else if task.task_deadline_ms < now {
                     format!(
                         "task timed out after {} s",
                         (task.task_deadline_ms - task.created_ms) / 1000
@@ -1006,6 +1055,206 @@ impl Machine {
                 core.finish(task, TaskState::Failed, None, Some(error))
             });
         }
+    }
+
+    // ----- clarifications -----
+
+    /// An extension frame from a client that did not announce the extension is refused as UFO
+    /// refuses an unknown type.
+    fn extension_check(inbound: &InboundFrame, extension: Extension) -> Result<(), Refusal> {
+        if inbound.extensions.contains(&extension) {
+            return Ok(());
+        }
+        Err(Refusal::now(
+            ErrorCode::ProtocolError,
+            format!(
+                "Unknown message type: {} (announce the `{extension}` extension at register to \
+                 use it)",
+                inbound.frame.kind
+            ),
+        ))
+    }
+
+    /// The executor asks a question while it runs a command (`clarification_request`).
+    fn executor_asks(&mut self, inbound: &InboundFrame, msg_id: &str) -> Result<(), Refusal> {
+        Self::extension_check(inbound, Extension::Clarification)?;
+        let frame = &inbound.frame;
+        let meta = |key: &str| frame.metadata_value(key);
+        let text = frame
+            .request
+            .clone()
+            .or_else(|| meta("question").and_then(Value::as_str).map(str::to_owned))
+            .filter(|q| !q.trim().is_empty());
+        let Some(text) = text else {
+            return Err(Refusal::now(
+                ErrorCode::ProtocolError,
+                "clarification_request: the question (`request` or `metadata.question`) is empty",
+            ));
+        };
+        let session = frame.session_id.clone().unwrap_or_default();
+        self.with_task(&session, |core, task| {
+            Self::check_executor(task, inbound)?;
+            Self::live_check(task)?;
+            let Some(response_id) = task.waiting.response_id().map(str::to_owned) else {
+                return Err(Refusal::UnlessSeen(
+                    ErrorBody::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "session '{session}' runs no command of yours now, so there is \
+                             nothing to ask about"
+                        ),
+                    ),
+                    msg_id.to_owned(),
+                ));
+            };
+            core.applied(Some(msg_id));
+            let asking = Asking {
+                id: meta("clarification_id")
+                    .and_then(Value::as_str)
+                    .filter(|id| !id.is_empty() && id.len() <= proto_schemas::MAX_ID_BYTES)
+                    .map(str::to_owned),
+                text,
+                data: meta("data").cloned(),
+                asked_by: Asker::Executor {
+                    id: inbound.client_id.clone(),
+                    response_id,
+                },
+                timeout_secs: meta("timeout_secs").and_then(Value::as_u64),
+            };
+            core.ask(task, asking)
+        })
+    }
+
+    /// Pauses a task on a question: `input_required` until the answer or the question's
+    /// deadline; the event; the question to the requester (a frame if it announced
+    /// `clarification`); a callback when the task has one.
+    fn ask(&mut self, task: &mut Task, asking: Asking) -> Result<(), Refusal> {
+        task.enter(TaskState::InputRequired)?;
+        let now = now_ms();
+        let limit = self.settings.clarification_timeout_secs.max(1);
+        let secs = asking.timeout_secs.unwrap_or(limit).clamp(1, limit);
+        let question = Question {
+            id: asking.id.unwrap_or_else(server::new_id),
+            text: asking.text,
+            data: asking.data,
+            asked_by: asking.asked_by,
+            deadline_ms: now + i64::try_from(secs * 1000).unwrap_or(i64::MAX / 4),
+        };
+        let request = question.request(&task.task_id);
+        task.deadline_ms = task.task_deadline_ms.min(question.deadline_ms);
+        task.updated_ms = now;
+        task.waiting = Waiting::Answer(Box::new(question));
+        self.planning.remove(&task.task_id);
+        let seq = self.event(
+            task,
+            EventKind::ClarificationRequested,
+            serde_json::to_value(&request).ok(),
+        );
+        if task.requester.understands(Extension::Clarification)
+            && let Some(client) = task.requester.client_id().map(str::to_owned)
+        {
+            self.send(&client, &server::clarification_request(&request));
+        }
+        if let Some(callback) = crate::callbacks::notification(task, seq) {
+            self.pending.batch.callbacks.push(callback);
+        }
+        Ok(())
+    }
+
+    /// The answer to a task's open question, from its requester (a frame, REST or NATS): the
+    /// task goes on in `working`, the answer going where the question came from.
+    pub fn answer(
+        &mut self,
+        task_id: &str,
+        answer: Answer,
+        msg_id: Option<&str>,
+    ) -> Result<Task, Refusal> {
+        self.with_task(task_id, |core, task| {
+            Self::live_check(task)?;
+            if let Answerer::Client(client) = &answer.by
+                && task.requester.client_id() != Some(client.as_str())
+            {
+                return Err(Refusal::now(
+                    ErrorCode::Forbidden,
+                    format!("'{client}' is not the requester of task '{task_id}' and cannot answer its questions"),
+                ));
+            }
+            let Some(question) = task.waiting.question().cloned() else {
+                return Err(Refusal::now(
+                    ErrorCode::Conflict,
+                    format!(
+                        "task '{task_id}' has no open question (it is {}); `{}` was answered \
+                         already or never asked",
+                        task.state().as_str(),
+                        answer.clarification_id
+                    ),
+                ));
+            };
+            if question.id != answer.clarification_id {
+                return Err(Refusal::now(
+                    ErrorCode::Conflict,
+                    format!(
+                        "`{}` is not the open question of task '{task_id}' (that is `{}`: {:?})",
+                        answer.clarification_id, question.id, question.text
+                    ),
+                ));
+            }
+            if answer.text.trim().is_empty() {
+                return Err(Refusal::now(
+                    ErrorCode::InvalidRequest,
+                    "the answer is empty",
+                ));
+            }
+            core.applied(msg_id);
+            task.enter(TaskState::Working)?;
+            let now = now_ms();
+            task.updated_ms = now;
+            let provided_by = answer.by.display();
+            let answered = json!({
+                "clarification_id": question.id,
+                "question": question.text,
+                "answer": answer.text,
+                "data": answer.data,
+                "provided_by": provided_by,
+            });
+            core.event(task, EventKind::ClarificationAnswered, Some(answered.clone()));
+            match question.asked_by {
+                Asker::Planner { call_id } => {
+                    let result = ActionResult {
+                        status: ResultStatus::Success,
+                        error: None,
+                        result: Some(answered),
+                        namespace: None,
+                        call_id,
+                    };
+                    task.history.push(json!({
+                        "step": task.step,
+                        "clarification_id": question.id,
+                        "results": [result],
+                    }));
+                    task.step += 1;
+                    task.waiting = Waiting::Plan;
+                    task.deadline_ms = task.task_deadline_ms;
+                    core.plan(task)?;
+                }
+                Asker::Executor { id, response_id } => {
+                    let command_timeout = i64::try_from(core.settings.command_timeout_secs * 1000)
+                        .unwrap_or(i64::MAX / 4);
+                    task.waiting = Waiting::Results { response_id };
+                    task.deadline_ms = task.task_deadline_ms.min(now + command_timeout);
+                    let response = ClarificationResponse {
+                        version: V1,
+                        task_id: task.task_id.clone(),
+                        clarification_id: question.id,
+                        answer: answer.text,
+                        data: answer.data,
+                        provided_by,
+                    };
+                    core.send(&id, &server::clarification_response(&response));
+                }
+            }
+            Ok(task.clone())
+        })
     }
 
     // ----- ending -----
@@ -1080,6 +1329,47 @@ impl Machine {
 /// How much longer than the planner's own timeout a lost planning request waits before it is
 /// asked again (the answer may be on its way).
 const REPLAN_MARGIN_MS: i64 = 5_000;
+
+/// A question to ask.
+struct Asking {
+    /// The asker's own id for it, if it gave one.
+    id: Option<String>,
+    text: String,
+    data: Option<Value>,
+    asked_by: Asker,
+    timeout_secs: Option<u64>,
+}
+
+/// An answer to a task's open question.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub clarification_id: String,
+    pub text: String,
+    pub data: Option<Value>,
+    pub by: Answerer,
+}
+
+/// Who answers a question.
+#[derive(Debug, Clone)]
+pub enum Answerer {
+    /// A client by frame: it must be the task's requester.
+    Client(String),
+    /// A REST caller (an API key holder), by the name it gave.
+    Rest(String),
+    /// A NATS client, by the agent id it gave.
+    Nats(String),
+}
+
+impl Answerer {
+    /// As `provided_by` shows it.
+    pub fn display(&self) -> String {
+        match self {
+            Answerer::Client(id) => id.clone(),
+            Answerer::Rest(name) => format!("rest:{name}"),
+            Answerer::Nats(name) => format!("nats:{name}"),
+        }
+    }
+}
 
 /// One step's commands, from a planner or a driver.
 #[derive(Debug, Clone)]

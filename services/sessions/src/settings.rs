@@ -83,6 +83,9 @@ pub struct SessionSettings {
     pub callback_backoff_ms: u64,
     /// The longest wait between two attempts (also the cap on a receiver's `Retry-After`).
     pub callback_max_backoff_ms: u64,
+    /// How long a question waits for its answer at most (and by default): unanswered, the
+    /// task fails with TASK_TIMEOUT.
+    pub clarification_timeout_secs: u64,
     /// Who plans tasks without steps (`[sessions.planner]`, `AIP_SESSIONS__PLANNER__…`).
     pub planner: PlannerSettings,
     /// The built-in tool-calling agent (`[sessions.llm]`, `AIP_SESSIONS__LLM__…`).
@@ -197,6 +200,7 @@ impl Default for SessionSettings {
             callback_timeout_ms: 10_000,
             callback_backoff_ms: 1_000,
             callback_max_backoff_ms: 600_000,
+            clarification_timeout_secs: 3_600,
             planner: PlannerSettings {
                 attempts: 3,
                 ..PlannerSettings::default()

@@ -13,12 +13,13 @@ use aip_store::text::json_text;
 pub use aip_store::text::{NUL, NUL_REPLACEMENT, storable, storable_text};
 use aip_store::{Conn, Database, List, Sql};
 use proto_schemas::sessions::{TaskEvent, TaskState};
-use proto_schemas::{ClientType, Command, ErrorCode, Platform};
+use proto_schemas::{ClientType, Command, ErrorCode, Extension, Platform};
 use serde_json::Value;
 use sqlx::types::Json;
 
 use crate::task::{
-    EventKind, ExecutorRef, Plan, PlannerKind, Requester, RequesterKind, Task, TaskError, Waiting,
+    EventKind, ExecutorRef, Plan, PlannerKind, Question, Requester, RequesterKind, Task, TaskError,
+    Waiting,
 };
 pub use crate::task::{now_ms, rfc3339};
 
@@ -284,6 +285,23 @@ const COLUMNS: &[Column] = &[
         mutable: true,
         cell: |t| Ok(Cell::Int8(t.next_seq)),
     },
+    Column {
+        name: "question",
+        kind: Kind::Json,
+        mutable: true,
+        cell: |t| json(t.waiting.question()),
+    },
+    Column {
+        name: "requester_extensions",
+        kind: Kind::Json,
+        mutable: false,
+        cell: |t| match &t.requester {
+            Requester::Client { extensions, .. } if !extensions.is_empty() => {
+                json(Some(extensions))
+            }
+            _ => json::<()>(None),
+        },
+    },
 ];
 
 fn column_names() -> String {
@@ -491,6 +509,8 @@ struct TaskRecord {
     created_ms: i64,
     updated_ms: i64,
     next_seq: i64,
+    question: Option<Json<Question>>,
+    requester_extensions: Option<Json<Vec<Extension>>>,
 }
 
 impl TryFrom<TaskRecord> for Task {
@@ -512,6 +532,11 @@ impl TryFrom<TaskRecord> for Task {
                     id: r.requester_id.clone(),
                     client_type,
                     connection: r.requester_connection.clone(),
+                    extensions: r
+                        .requester_extensions
+                        .clone()
+                        .map(|e| e.0)
+                        .unwrap_or_default(),
                 }
             }
             Some(RequesterKind::Rest) => Requester::Rest(r.requester_id.clone()),
@@ -536,13 +561,19 @@ impl TryFrom<TaskRecord> for Task {
             Some(PlannerKind::Driver) => Plan::Driver,
             None => return Err(corrupt("planner", &r.planner)),
         };
-        let waiting = match (&r.pending_response_id, r.needs_plan, r.awaiting_echo) {
-            (_, _, true) => Waiting::Echo,
-            (Some(response_id), _, _) => Waiting::Results {
+        let waiting = match (
+            &r.question,
+            &r.pending_response_id,
+            r.needs_plan,
+            r.awaiting_echo,
+        ) {
+            (Some(Json(question)), ..) => Waiting::Answer(Box::new(question.clone())),
+            (None, _, _, true) => Waiting::Echo,
+            (None, Some(response_id), _, _) => Waiting::Results {
                 response_id: response_id.clone(),
             },
-            (None, true, _) => Waiting::Plan,
-            (None, false, false) => Waiting::Nothing,
+            (None, None, true, _) => Waiting::Plan,
+            (None, None, false, false) => Waiting::Nothing,
         };
         let error = match (&r.error, &r.error_code) {
             (None, _) => None,
@@ -1557,13 +1588,13 @@ mod tests {
 
     #[test]
     fn the_statements_come_from_the_one_column_list() {
-        assert_eq!(COLUMNS.len(), 31);
+        assert_eq!(COLUMNS.len(), 33);
         let upsert = PG_WRITE_GROUP.as_str();
-        // The lease's four parameters, then the tasks' 31 columns, then the other tables',
+        // The lease's four parameters, then the tasks' 33 columns, then the other tables',
         // then the callbacks' four.
-        assert!(upsert.contains("$5::text[]") && upsert.contains("$35::int8[]"));
-        assert!(upsert.contains("$48::int8") && upsert.contains("$52::text[]"));
-        assert!(!upsert.contains("$53"));
+        assert!(upsert.contains("$5::text[]") && upsert.contains("$37::text[]"));
+        assert!(upsert.contains("$50::int8") && upsert.contains("$54::text[]"));
+        assert!(!upsert.contains("$55"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(

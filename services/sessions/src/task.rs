@@ -5,8 +5,9 @@
 //! ([`crate::store`]) and on the wire. State changes go through [`Task::enter`], which holds
 //! them to the state machine of [`TaskState::can_become`].
 
+use proto_schemas::flow::ClarificationRequest;
 use proto_schemas::sessions::{TaskState, TaskView};
-use proto_schemas::{ClientType, Command, ErrorCode, PlannerName, Platform};
+use proto_schemas::{ClientType, Command, ErrorCode, Extension, PlannerName, Platform, V1};
 use serde_json::Value;
 
 /// Who asked for a task; a client requester is told of its task's end by frame.
@@ -21,6 +22,8 @@ pub enum Requester {
         /// The connection the request came on: only that connection's end cancels the task
         /// (`None` in tasks stored before connections were recorded: any of the client's).
         connection: Option<String>,
+        /// The extensions it announced at REGISTER: extension frames go only to those.
+        extensions: Vec<Extension>,
     },
     /// A REST caller, by the id it gave.
     Rest(String),
@@ -163,6 +166,63 @@ pub enum Waiting {
         /// The `response_id` of the command in flight.
         response_id: String,
     },
+    /// The answer to a question (the task is `input_required`).
+    Answer(Box<Question>),
+}
+
+/// An open question of a task, as stored while it waits for the answer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Question {
+    /// The `clarification_id`.
+    pub id: String,
+    /// The question.
+    pub text: String,
+    /// Structured detail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+    /// Who asked, and where the answer goes.
+    pub asked_by: Asker,
+    /// The task fails unless answered by then (epoch ms).
+    pub deadline_ms: i64,
+}
+
+/// Who asked a question; the answer goes back there.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Asker {
+    /// The executor, while running the command with this `response_id`: it gets a
+    /// `clarification_response` frame, and the command's results are awaited again.
+    Executor { id: String, response_id: String },
+    /// The task's planner: its next request carries the answer, as a Result with `call_id`.
+    Planner {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        call_id: Option<String>,
+    },
+}
+
+impl Asker {
+    /// As `requested_by` shows it.
+    pub fn display(&self) -> String {
+        match self {
+            Asker::Executor { id, .. } => id.clone(),
+            Asker::Planner { .. } => "planner".to_owned(),
+        }
+    }
+}
+
+impl Question {
+    /// As the requester sees it.
+    pub fn request(&self, task_id: &str) -> ClarificationRequest {
+        ClarificationRequest {
+            version: V1,
+            task_id: task_id.to_owned(),
+            clarification_id: self.id.clone(),
+            question: self.text.clone(),
+            data: self.data.clone(),
+            requested_by: self.asked_by.display(),
+            expires_at: Some(rfc3339(self.deadline_ms)),
+        }
+    }
 }
 
 impl Waiting {
@@ -170,6 +230,14 @@ impl Waiting {
     pub fn response_id(&self) -> Option<&str> {
         match self {
             Waiting::Results { response_id } => Some(response_id),
+            _ => None,
+        }
+    }
+
+    /// The open question, if an answer is awaited.
+    pub fn question(&self) -> Option<&Question> {
+        match self {
+            Waiting::Answer(question) => Some(question),
             _ => None,
         }
     }
@@ -218,6 +286,11 @@ impl ExecutorRef {
 }
 
 impl Requester {
+    /// Whether the requester is a client that announced `extension`.
+    pub fn understands(&self, extension: Extension) -> bool {
+        matches!(self, Requester::Client { extensions, .. } if extensions.contains(&extension))
+    }
+
     /// Whether the end of `connection_id` of `client_id` is this requester going away.
     pub fn held_by(&self, client_id: &str, connection_id: &str) -> bool {
         match self {
@@ -325,6 +398,7 @@ impl Task {
             created_at: rfc3339(self.created_ms),
             updated_at: rfc3339(self.updated_ms),
             events: self.next_seq - 1,
+            clarification: self.waiting.question().map(|q| q.request(&self.task_id)),
         }
     }
 }
@@ -356,6 +430,10 @@ pub enum EventKind {
     ResultsReceived,
     /// A planner decided a step and left a note (the agent's conversation turn).
     Planned,
+    /// A question was asked; the task waits for the answer.
+    ClarificationRequested,
+    /// The question was answered.
+    ClarificationAnswered,
     /// It ended in this (terminal) state.
     Ended(TaskState),
 }
@@ -370,6 +448,8 @@ impl EventKind {
             EventKind::CommandSent => "command_sent",
             EventKind::ResultsReceived => "results_received",
             EventKind::Planned => "planned",
+            EventKind::ClarificationRequested => "clarification_requested",
+            EventKind::ClarificationAnswered => "clarification_answered",
             EventKind::Ended(state) => state.as_str(),
         }
     }
@@ -490,6 +570,7 @@ mod tests {
                 id: "c".into(),
                 client_type: ClientType::Device,
                 connection: None,
+                extensions: Vec::new(),
             }
             .display(),
             "c"
@@ -517,6 +598,7 @@ mod tests {
             id: "g".into(),
             client_type: ClientType::Constellation,
             connection: Some("k1".into()),
+            extensions: Vec::new(),
         };
         assert!(requester.held_by("g", "k1"));
         assert!(!requester.held_by("g", "k2"));

@@ -328,11 +328,22 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
                 json!({ "error": { "message": "the model is overloaded" } }),
             ),
             ("endless", _) => tool_calls(&[("c1", "type_text", r#"{"text":"again"}"#)]),
-            ("question", _) => tool_calls(&[(
+            ("question", 0) => tool_calls(&[(
                 "c1",
                 "ask_user",
                 r#"{"question":"Which file should I open?"}"#,
             )]),
+            ("question", _) => {
+                // The answer is the ask_user call's result.
+                let told = body["messages"]
+                    .as_array()
+                    .and_then(|m| m.iter().find(|m| m["role"] == "tool"))
+                    .and_then(|m| m["content"].as_str())
+                    .and_then(|c| serde_json::from_str::<Value>(c).ok())
+                    .map(|c| c["result"]["answer"].clone())
+                    .unwrap_or_default();
+                answer(&format!("Opened {}", told.as_str().unwrap_or("?")))
+            }
             _ => answer("unexpected"),
         }
     });
@@ -358,7 +369,6 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
         ("bad arguments", "PROTOCOL_ERROR", "not a JSON object"),
         ("model error", "UNAVAILABLE", "the model is overloaded"),
         ("endless", "TASK_TIMEOUT", "3 model calls"),
-        ("question", "COMMAND_FAILED", "Which file should I open?"),
     ];
     let mut ids = Vec::new();
     for (description, ..) in cases {
@@ -389,6 +399,40 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
         planned[0]["data"].to_string().contains("format_disk"),
         "{}",
         planned[0]
+    );
+
+    // A question to the requester: the task waits, the answer goes back to the model.
+    let (status, t) = submit("question", Some("llm")).await;
+    assert_eq!(status, 201, "{t}");
+    let id = t["task_id"].as_str().expect("id").to_owned();
+    let waiting = eventually("the question", || async {
+        let t = task(&stack, &id).await;
+        (t["state"] == "input_required").then_some(t)
+    })
+    .await
+    .expect("input_required");
+    assert_eq!(
+        waiting["clarification"]["question"],
+        "Which file should I open?"
+    );
+    let qid = waiting["clarification"]["clarification_id"]
+        .as_str()
+        .expect("id");
+    let (status, going) = post_json(
+        &format!("{base}/api/tasks/{id}/clarifications/{qid}"),
+        &json!({ "answer": "report.txt" }),
+    )
+    .await;
+    assert_eq!(
+        (status, going["state"].as_str()),
+        (200, Some("working")),
+        "{going}"
+    );
+    let done = ended(&stack, &id).await;
+    assert_eq!(
+        (done["state"].as_str(), done["result"].as_str()),
+        (Some("completed"), Some("Opened report.txt")),
+        "{done}"
     );
 
     // A planner this broker has no settings for is refused at once.

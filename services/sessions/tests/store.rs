@@ -86,6 +86,7 @@ async fn every_store_function(backend: Backend) {
         id: "galaxy".to_owned(),
         client_type: ClientType::Constellation,
         connection: Some("galaxy-connection".to_owned()),
+        extensions: Vec::new(),
     };
     machine
         .submit(

@@ -6,7 +6,8 @@
 //! step: the model's tool calls become the step's Commands (the tool's `tool_type`, the call's
 //! id as `call_id`), their Results go back as the tool messages of the next call, and the
 //! model's final answer completes the task with that answer as the result. A built-in
-//! `ask_user` tool lets the model ask the requester a question.
+//! `ask_user` tool lets the model ask the requester a question: the task waits in
+//! `input_required`, and the answer comes back as that call's result.
 //!
 //! The agent keeps no state of its own: each model turn is written to the task's event log (a
 //! `planned` event with the messages it added, the tools on the first turn, and the tokens the
@@ -352,8 +353,17 @@ fn decide(tools: &Toolbox, message: AssistantMessage) -> Result<PlanStep, Planne
             let question = arguments
                 .get("question")
                 .and_then(Value::as_str)
-                .unwrap_or("(no question given)");
-            return Err(PlannerError::Clarification(question.to_owned()));
+                .filter(|q| !q.trim().is_empty())
+                .ok_or_else(|| {
+                    PlannerError::BadToolCall(format!("`{ASK_USER}` was called without a question"))
+                })?;
+            // The answer comes back as this call's result; other calls of the turn wait.
+            return Ok(PlanStep::Clarify {
+                question: question.to_owned(),
+                data: None,
+                timeout_secs: None,
+                call_id: Some(call.id),
+            });
         }
         let Some(tool) = tools.by_function.get(&call.function.name) else {
             return Err(PlannerError::BadToolCall(format!(
@@ -671,9 +681,17 @@ mod tests {
         assert!(unknown.to_string().contains("rm_rf"), "{unknown}");
         let bad = decide(&tools, call("type_text", "[1,2]")).expect_err("not an object");
         assert!(matches!(bad, PlannerError::BadToolCall(_)), "{bad}");
-        let question = decide(&tools, call(ASK_USER, "{\"question\":\"Which file?\"}"))
-            .expect_err("a question");
-        assert!(question.to_string().contains("Which file?"), "{question}");
+        let question =
+            decide(&tools, call(ASK_USER, "{\"question\":\"Which file?\"}")).expect("a question");
+        assert_eq!(
+            question,
+            PlanStep::Clarify {
+                question: "Which file?".into(),
+                data: None,
+                timeout_secs: None,
+                call_id: Some("c".into()),
+            }
+        );
         let empty = decide(&tools, message(json!({ "content": "  " }))).expect_err("empty");
         assert!(matches!(empty, PlannerError::BadToolCall(_)), "{empty}");
     }

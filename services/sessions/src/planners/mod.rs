@@ -88,12 +88,6 @@ pub enum PlannerError {
     /// A per-task bound of the agent was reached.
     #[error("the agent reached its bound: {0}")]
     Bound(String),
-    /// The agent needs an answer only the requester has.
-    #[error(
-        "the agent asked the requester a question, and this broker does not pause tasks for \
-         clarifications yet: {0}"
-    )]
-    Clarification(String),
     /// The task's own records could not be read.
     #[error("the task's planning record could not be read: {0}")]
     Store(String),
@@ -110,10 +104,9 @@ impl PlannerError {
             PlannerError::Encode(_) => ErrorCode::Internal,
             PlannerError::BadToolCall(_) => ErrorCode::ProtocolError,
             PlannerError::Bound(_) => ErrorCode::TaskTimeout,
-            PlannerError::Refused(_)
-            | PlannerError::BadReply(_)
-            | PlannerError::NoAnswer(_)
-            | PlannerError::Clarification(_) => ErrorCode::CommandFailed,
+            PlannerError::Refused(_) | PlannerError::BadReply(_) | PlannerError::NoAnswer(_) => {
+                ErrorCode::CommandFailed
+            }
         }
     }
 }
