@@ -286,6 +286,16 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         description: "Submit a task over NATS; the reply says which executor got it, or why none did.",
     },
     SubjectSpec {
+        name: "sessions.clarify",
+        template: "sessions.clarify",
+        pattern: Pattern::RequestReply,
+        payload: "ClarificationResponse",
+        reply: Some("ClarifyReply"),
+        publishers: &["any NATS client acting for a task's requester"],
+        consumers: &["aip-sessions (queue group `aip-sessions`)"],
+        description: "Answer a task's open question; the reply is the task, going on, or why the answer was refused.",
+    },
+    SubjectSpec {
         name: "planner.next",
         template: "planner.next",
         pattern: Pattern::RequestReply,
@@ -420,6 +430,11 @@ impl Subjects {
     /// `sessions.submit`.
     pub fn sessions_submit(&self) -> String {
         self.join("sessions.submit")
+    }
+
+    /// `sessions.clarify`.
+    pub fn sessions_clarify(&self) -> String {
+        self.join("sessions.clarify")
     }
 
     /// `planner.next`.

@@ -108,6 +108,11 @@ impl Application {
                 leader_engine.clone(),
                 term.clone(),
             ));
+            tokio::spawn(workers::serve_answers(
+                leader_engine.clone(),
+                term.clone(),
+                leader_tracker.clone(),
+            ));
             tokio::spawn(workers::serve_submissions(
                 leader_engine.clone(),
                 term,

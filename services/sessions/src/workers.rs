@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use aip_bus::{Headers, StreamSpec, names};
 use futures::StreamExt;
-use proto_schemas::flow::TaskRequest;
+use proto_schemas::flow::{ClarificationResponse, TaskRequest};
 use proto_schemas::registry::Reply;
-use proto_schemas::sessions::{GatewayEvent, TaskAccepted};
+use proto_schemas::sessions::{GatewayEvent, TaskAccepted, TaskView};
 use proto_schemas::{ErrorBody, ErrorCode};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -16,6 +16,7 @@ use crate::callbacks::Callbacks;
 use crate::engine::{
     Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
+use crate::machine::{Answer, Answerer};
 use crate::planners::Planners;
 use crate::store::now_ms;
 use aip_bus::Delivery;
@@ -474,6 +475,70 @@ pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker:
                 aip_bus::respond(engine.bus().as_ref(), &message, headers, payload.into()).await
             {
                 tracing::warn!("could not answer a submission: {e}");
+            }
+        });
+    }
+}
+
+/// Answers questions over NATS (`sessions.clarify`, a ClarificationResponse) until `stop`;
+/// the reply is the task going on, or why the answer was refused.
+pub async fn serve_answers(engine: Engine, stop: CancellationToken, tracker: TaskTracker) {
+    let subject = engine.subjects().sessions_clarify();
+    let mut requests = match engine
+        .bus()
+        .queue_subscribe(subject.clone(), CONSUMER.to_owned())
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot serve {subject}: {e}");
+            return;
+        }
+    };
+    loop {
+        let message = tokio::select! {
+            m = requests.next() => m,
+            () = stop.cancelled() => return,
+        };
+        let Some(message) = message else { return };
+        let engine = engine.clone();
+        tracker.spawn(async move {
+            let reply: Reply<TaskView> =
+                match serde_json::from_slice::<ClarificationResponse>(&message.payload) {
+                    Ok(response) => {
+                        let answer = Answer {
+                            clarification_id: response.clarification_id,
+                            text: response.answer,
+                            data: response.data,
+                            by: Answerer::Nats(response.provided_by),
+                        };
+                        match engine.answer_question(&response.task_id, answer).await {
+                            Ok(task) => Reply::Ok(task.view()),
+                            Err(EngineError::Refused(body)) => Reply::Error(body),
+                            Err(EngineError::Store(e)) => {
+                                Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
+                            }
+                        }
+                    }
+                    Err(e) => Reply::Error(ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        format!("not a ClarificationResponse: {e}"),
+                    )),
+                };
+            let mut headers = Headers::new();
+            if let Reply::Error(body) = &reply {
+                headers.insert(names::ERROR_CODE, body.error_code.as_str());
+            }
+            match serde_json::to_vec(&reply) {
+                Ok(payload) => {
+                    if let Err(e) =
+                        aip_bus::respond(engine.bus().as_ref(), &message, headers, payload.into())
+                            .await
+                    {
+                        tracing::warn!("could not answer an answer: {e}");
+                    }
+                }
+                Err(e) => tracing::error!("an answer's reply could not be encoded: {e}"),
             }
         });
     }

@@ -1,5 +1,6 @@
 //! Clarifications as the parties see them, over real WebSockets, REST and NATS, on both
-//! backends: a planner asks twice (answered once by frame, once over REST), a stranger's and a
+//! backends: a planner asks three times (answered by frame, over REST and over NATS), a
+//! stranger's and a
 //! stale answer are refused, an unanswered question fails its task at its deadline, an executor
 //! asks in the middle of a command, and a plain UFO requester never sees an extension frame.
 
@@ -70,11 +71,11 @@ fn asking_planner(
     rx
 }
 
-async fn two_rounds_by_frame_and_by_rest_and_strangers_are_refused(backend: Backend) {
+async fn rounds_by_frame_rest_and_nats_and_strangers_are_refused(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
         .await
         .expect("stack");
-    let mut requests = asking_planner(&stack, &["Which file?", "Which folder?"]);
+    let mut requests = asking_planner(&stack, &["Which file?", "Which folder?", "Which name?"]);
     let _dev = Client::registered(&stack.ws_url(0), device_register("q-pc", "linux")).await;
     stack.wait_online("q-pc").await;
     let galaxy_id = "g@q-pc";
@@ -174,12 +175,38 @@ async fn two_rounds_by_frame_and_by_rest_and_strangers_are_refused(backend: Back
         "accepted once: {status} {twice}"
     );
 
+    // Round 3: answered over NATS.
+    let asked = galaxy
+        .recv_type("clarification_request")
+        .await
+        .expect("the third question");
+    let third = asked["metadata"]["clarification_id"].as_str().expect("id");
+    let response = json!({ "version": 1, "task_id": "s-q", "clarification_id": third,
+        "answer": "notes.md", "provided_by": "assistant" });
+    let ask = || {
+        stack.bus.request(
+            format!("{}.sessions.clarify", stack.prefix),
+            Headers::new(),
+            response.to_string().into(),
+            std::time::Duration::from_secs(5),
+        )
+    };
+    let reply = ask().await.expect("an answer over NATS");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("json");
+    assert_eq!(reply["ok"]["state"], "working", "{reply}");
+    let reply = ask().await.expect("a reply");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("json");
+    assert!(
+        reply["error"]["error_code"].is_string(),
+        "accepted once: {reply}"
+    );
+
     let end = galaxy.recv_type("task_end").await.expect("task_end");
     assert_eq!(end["status"], "completed", "{end}");
 
     // The planner saw each answer as the Result of its question, with its call id.
     let asked_requests: Vec<Value> = std::iter::from_fn(|| requests.try_recv().ok()).collect();
-    assert_eq!(asked_requests.len(), 3, "{asked_requests:?}");
+    assert_eq!(asked_requests.len(), 4, "{asked_requests:?}");
     let answer_of = |r: &Value| r["last_results"][0].clone();
     assert_eq!(answer_of(&asked_requests[1])["call_id"], "q0");
     assert_eq!(
@@ -198,6 +225,10 @@ async fn two_rounds_by_frame_and_by_rest_and_strangers_are_refused(backend: Back
         answer_of(&asked_requests[2])["result"]["provided_by"],
         "rest:ops"
     );
+    assert_eq!(
+        answer_of(&asked_requests[3])["result"]["provided_by"],
+        "nats:assistant"
+    );
 
     let (_, events) = get_json(&format!("{base}/api/tasks/s-q/events")).await;
     let kinds: Vec<&str> = events["events"]
@@ -213,12 +244,14 @@ async fn two_rounds_by_frame_and_by_rest_and_strangers_are_refused(backend: Back
             "clarification_requested",
             "clarification_answered",
             "clarification_requested",
+            "clarification_answered",
+            "clarification_requested",
             "clarification_answered"
         ]
     );
     stack.stop().await;
 }
-both_backends!(two_rounds_by_frame_and_by_rest_and_strangers_are_refused);
+both_backends!(rounds_by_frame_rest_and_nats_and_strangers_are_refused);
 
 async fn an_unanswered_question_fails_at_its_deadline_and_ufo_clients_see_no_extension(
     backend: Backend,
