@@ -111,6 +111,27 @@ pub struct HandoffNotification {
     pub reason: String,
 }
 
+/// Hand a task to another agent: by id, or any available agent with the capabilities
+/// (NATS `sessions.handoff`; REST `POST /api/tasks/{id}/handoff` takes the same fields but
+/// `task_id`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
+pub struct HandoffRequest {
+    /// Always 1.
+    pub version: V1,
+    /// The task.
+    pub task_id: String,
+    /// The agent to take it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_id: Option<String>,
+    /// Otherwise, an available agent with all of these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub required_capabilities: Vec<String>,
+    /// Why.
+    pub reason: String,
+    /// Who asks.
+    pub requested_by: String,
+}
+
 /// The executor needs an answer before it can go on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct ClarificationRequest {

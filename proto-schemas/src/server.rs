@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 
 use crate::enums::{ClientMessageType, Extension, ServerMessageType as T, TaskStatus};
 use crate::error::ErrorCode;
-use crate::flow::{ClarificationRequest, ClarificationResponse};
+use crate::flow::{ClarificationRequest, ClarificationResponse, HandoffNotification};
 use crate::frames::{Command, ServerMessage};
 
 /// The current time in UFO's format: ISO 8601, microseconds, `+00:00`.
@@ -201,6 +201,15 @@ pub fn clarification_response(response: &ClarificationResponse) -> ServerMessage
     m.session_id = Some(response.task_id.clone());
     m.user_request = Some(response.answer.clone());
     m.metadata = as_object(response);
+    m
+}
+
+/// Extension `handoff`, to a requester that announced `handoff`: the task moved to another
+/// agent (a HandoffNotification in `metadata`).
+pub fn handoff(notification: &HandoffNotification) -> ServerMessage {
+    let mut m = stamped(T::Handoff, TaskStatus::Continue);
+    m.session_id = Some(notification.task_id.clone());
+    m.metadata = as_object(notification);
     m
 }
 

@@ -222,6 +222,19 @@ pub enum PlanStep {
         /// Why.
         error: String,
     },
+    /// Hand the task to another agent (by id, or any available agent with the capabilities);
+    /// the next request names the new executor. Refused (nobody available, the bound of
+    /// handoffs reached): the next request's `last_results` holds one failed Result saying why.
+    Handoff {
+        /// The agent to take it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        target_id: Option<String>,
+        /// Otherwise, an available agent with all of these.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        required_capabilities: Vec<String>,
+        /// Why.
+        reason: String,
+    },
     /// Ask the requester a question; the task waits in `input_required`. The next request's
     /// `last_results` holds one Result with the answer (`clarification_id`, `question`,
     /// `answer`, `data`), carrying `call_id`.

@@ -296,6 +296,16 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         description: "Answer a task's open question; the reply is the task, going on, or why the answer was refused.",
     },
     SubjectSpec {
+        name: "sessions.handoff",
+        template: "sessions.handoff",
+        pattern: Pattern::RequestReply,
+        payload: "HandoffRequest",
+        reply: Some("HandoffReply"),
+        publishers: &["any NATS client (a planner, an orchestrator)"],
+        consumers: &["aip-sessions (queue group `aip-sessions`)"],
+        description: "Hand a task to another agent; the reply is the task on its new executor, or why nobody took it.",
+    },
+    SubjectSpec {
         name: "planner.next",
         template: "planner.next",
         pattern: Pattern::RequestReply,
@@ -435,6 +445,11 @@ impl Subjects {
     /// `sessions.clarify`.
     pub fn sessions_clarify(&self) -> String {
         self.join("sessions.clarify")
+    }
+
+    /// `sessions.handoff`.
+    pub fn sessions_handoff(&self) -> String {
+        self.join("sessions.handoff")
     }
 
     /// `planner.next`.

@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::callbacks::Callbacks;
-use crate::machine::{Answer, CommandStep, Machine, Refusal};
+use crate::machine::{Answer, CommandStep, HandoffAsk, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::planners::{PlanJob, Planned, Planners};
 use crate::settings::SessionSettings;
@@ -80,6 +80,8 @@ pub(crate) enum Op {
         inbound: Box<InboundFrame>,
         msg_id: String,
         task: Option<Box<TaskFrame>>,
+        /// A `handoff` frame's candidates.
+        handoff: Option<Result<Vec<AgentRecord>, ErrorBody>>,
         reply: Reply<()>,
     },
     /// A client's connection ended.
@@ -116,6 +118,12 @@ pub(crate) enum Op {
     Cancel {
         task_id: String,
         reason: String,
+        reply: Reply<Task>,
+    },
+    /// A handoff over REST or NATS, its candidates looked up.
+    Handoff {
+        task_id: String,
+        ask: HandoffAsk,
         reply: Reply<Task>,
     },
     /// An answer to a task's open question, over REST or NATS.
@@ -468,6 +476,61 @@ impl Engine {
             })
             .await;
         self.answer(result).await
+    }
+
+    /// Hands a task to another agent (by id, or any available agent with the capabilities).
+    pub async fn handoff(
+        &self,
+        task_id: &str,
+        to: Placement,
+        reason: String,
+        by: String,
+    ) -> Result<Task, EngineError> {
+        let candidates = self.handoff_candidates(&to).await;
+        let task_id = task_id.to_owned();
+        let ask = HandoffAsk {
+            to,
+            reason,
+            by,
+            candidates,
+        };
+        let result = self
+            .apply(|reply| Op::Handoff {
+                task_id,
+                ask,
+                reply,
+            })
+            .await;
+        self.answer(result).await
+    }
+
+    /// The agents that could take a task handed off to `to`: the named device if it is
+    /// connected, or the available agents with the capabilities.
+    pub async fn handoff_candidates(&self, to: &Placement) -> Result<Vec<AgentRecord>, ErrorBody> {
+        match to {
+            Placement::Target(target) => match self.patiently(|| self.registry.get(target)).await {
+                Ok(agent)
+                    if agent.status != AgentStatus::Offline
+                        && agent.client_type == ClientType::Device =>
+                {
+                    Ok(vec![agent])
+                }
+                Ok(_) | Err(RegistryError::Refused(_)) => Ok(Vec::new()),
+                Err(e) => Err(e.into_error_body()),
+            },
+            Placement::Capabilities(capabilities) if capabilities.is_empty() => Ok(Vec::new()),
+            Placement::Capabilities(capabilities) => {
+                let lookup = LookupAgents {
+                    version: V1,
+                    capabilities: capabilities.clone(),
+                    client_type: Some(ClientType::Device),
+                    limit: Some(CAPABILITY_CANDIDATES),
+                };
+                self.patiently(|| self.registry.lookup(&lookup))
+                    .await
+                    .map_err(RegistryError::into_error_body)
+            }
+        }
     }
 
     /// Answers a task's open question; the task goes on.
@@ -1222,9 +1285,10 @@ fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
             inbound,
             msg_id,
             task,
+            handoff,
             reply,
         } => {
-            let result = core.frame(&inbound, &msg_id, task.map(|t| *t));
+            let result = core.frame(&inbound, &msg_id, task.map(|t| *t), handoff);
             waiters.push(Waiter::Unit(reply, result));
         }
         Op::Closed {
@@ -1267,6 +1331,14 @@ fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
             reply,
         } => {
             let result = core.cancel(&task_id, &reason);
+            waiters.push(Waiter::Task(reply, result));
+        }
+        Op::Handoff {
+            task_id,
+            ask,
+            reply,
+        } => {
+            let result = core.handoff(&task_id, ask);
             waiters.push(Waiter::Task(reply, result));
         }
         Op::Answer {

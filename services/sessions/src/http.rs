@@ -71,6 +71,7 @@ fn api_routes() -> OpenApiRouter<Engine> {
         .routes(routes!(complete_task))
         .routes(routes!(task_callbacks))
         .routes(routes!(answer_clarification))
+        .routes(routes!(handoff_task))
         .routes(routes!(redeliver_callbacks))
         .routes(routes!(ufo_dispatch))
         .routes(routes!(ufo_task_result))
@@ -941,6 +942,67 @@ async fn answer_clarification(
         by: Answerer::Rest(body.provided_by.unwrap_or_else(|| "api".to_owned())),
     };
     let task = engine.answer_question(&id, answer).await?;
+    Ok(Json(task.view()))
+}
+
+/// Body of `POST /api/tasks/{id}/handoff`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct HandoffBody {
+    /// The agent to take it.
+    #[serde(default)]
+    #[schema(nullable = false)]
+    target_id: Option<String>,
+    /// Otherwise, an available agent with all of these.
+    #[serde(default)]
+    required_capabilities: Vec<String>,
+    /// Why; not blank.
+    #[schema(
+        pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+    )]
+    reason: String,
+    /// Who asks (shown as `rest:<name>`; default `api`).
+    #[serde(default)]
+    #[schema(nullable = false)]
+    requested_by: Option<String>,
+}
+
+/// Hands a task to another agent, by id or by capability. Its id, request, data and results
+/// so far stay; the old executor is released (and gets `task_end` saying where the task went);
+/// the new one goes on from the current step; the requester is told (a `handoff` frame if it
+/// announced the extension, a callback if it gave one). Refused, the task stays where it was.
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/handoff",
+    operation_id = "handoff_task",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    request_body = HandoffBody,
+    responses(
+        (status = 200, description = "the task on its new executor", body = TaskView),
+        (status = 400, description = "no `target_id` nor capabilities, a blank reason, or a body of the wrong shape", body = ErrorBody),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "the task has ended, waits for an answer, already runs there, or reached `max_handoffs`", body = ErrorBody),
+        (status = 422, description = "no other available agent has the capabilities", body = ErrorBody),
+        (status = 503, description = "the target cannot take it now, or the registry or database is unavailable", body = ErrorBody),
+    )
+)]
+async fn handoff_task(
+    State(engine): State<Engine>,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<Value>,
+) -> Result<Json<TaskView>, ApiError> {
+    possible_id(&id)?;
+    let body: HandoffBody = read_body(body)?;
+    let to = match body.target_id {
+        Some(target) => Placement::Target(target),
+        None => Placement::Capabilities(body.required_capabilities),
+    };
+    let by = format!(
+        "rest:{}",
+        body.requested_by.unwrap_or_else(|| "api".to_owned())
+    );
+    let task = engine.handoff(&id, to, body.reason, by).await?;
     Ok(Json(task.view()))
 }
 

@@ -108,12 +108,7 @@ impl Application {
                 leader_engine.clone(),
                 term.clone(),
             ));
-            tokio::spawn(workers::serve_answers(
-                leader_engine.clone(),
-                term.clone(),
-                leader_tracker.clone(),
-            ));
-            tokio::spawn(workers::serve_submissions(
+            tokio::spawn(workers::serve_requests(
                 leader_engine.clone(),
                 term,
                 leader_tracker.clone(),

@@ -14,7 +14,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use proto_schemas::flow::ClarificationResponse;
+use proto_schemas::flow::{ClarificationResponse, HandoffNotification};
 use proto_schemas::registry::AgentRecord;
 use proto_schemas::server::{self, CommandTarget};
 use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep, TaskState};
@@ -447,6 +447,7 @@ impl Machine {
             created_ms: now,
             updated_ms: now,
             next_seq: 1,
+            handoffs: 0,
         };
         self.applied(msg_id);
         let data = json!({
@@ -562,7 +563,7 @@ impl Machine {
                     },
                     None => PlanStep::Complete { result: None },
                 };
-                self.apply_plan(task, Ok(decision))
+                self.apply_plan(task, Ok(decision), None)
             }
             Plan::Planner(planner) => {
                 let planner = *planner;
@@ -591,7 +592,7 @@ impl Machine {
             if let Some(note) = planned.note {
                 core.event(task, EventKind::Planned, Some(note));
             }
-            core.apply_plan(task, planned.decision)
+            core.apply_plan(task, planned.decision, planned.handoff_candidates)
         });
     }
 
@@ -599,6 +600,7 @@ impl Machine {
         &mut self,
         task: &mut Task,
         decision: Result<PlanStep, PlannerError>,
+        handoff_candidates: Option<Result<Vec<AgentRecord>, ErrorBody>>,
     ) -> Result<(), Refusal> {
         match decision {
             Ok(PlanStep::Commands {
@@ -622,6 +624,50 @@ impl Machine {
             Ok(PlanStep::Fail { error }) => {
                 let error = TaskError::new(ErrorCode::CommandFailed, error);
                 self.finish(task, TaskState::Failed, None, Some(error))
+            }
+            Ok(PlanStep::Handoff {
+                target_id,
+                required_capabilities,
+                reason,
+            }) => {
+                let to = match target_id {
+                    Some(target) => Placement::Target(target),
+                    None => Placement::Capabilities(required_capabilities),
+                };
+                let ask = HandoffAsk {
+                    to,
+                    reason,
+                    by: "planner".to_owned(),
+                    candidates: handoff_candidates.unwrap_or_else(|| {
+                        Err(ErrorBody::new(
+                            ErrorCode::Internal,
+                            "the handoff's candidates were not looked up",
+                        ))
+                    }),
+                };
+                match self.check_handoff(task, &ask) {
+                    Ok(agent) => self.hand_off(task, ask, agent, None),
+                    // The planner hears why, and plans again.
+                    Err(refusal) => {
+                        let detail = match refusal {
+                            Refusal::Now(body) | Refusal::UnlessSeen(body, _) => body.detail,
+                            Refusal::NotLive { .. } => "the task has ended".to_owned(),
+                        };
+                        let result = ActionResult {
+                            status: ResultStatus::Failure,
+                            error: Some(format!("handoff refused: {detail}")),
+                            result: None,
+                            namespace: None,
+                            call_id: None,
+                        };
+                        task.history.push(json!({
+                            "step": task.step, "handoff_refused": detail, "results": [result],
+                        }));
+                        task.step += 1;
+                        task.updated_ms = now_ms();
+                        self.plan(task)
+                    }
+                }
             }
             Ok(PlanStep::Clarify {
                 question,
@@ -723,6 +769,7 @@ impl Machine {
         inbound: &InboundFrame,
         msg_id: &str,
         task: Option<TaskFrame>,
+        handoff_candidates: Option<Result<Vec<AgentRecord>, ErrorBody>>,
     ) -> Result<(), Refusal> {
         match inbound.frame.kind {
             ClientMessageType::Task => {
@@ -743,6 +790,31 @@ impl Machine {
             ClientMessageType::CommandResults => self.results(inbound, msg_id),
             ClientMessageType::TaskEnd => self.client_task_end(inbound, msg_id),
             ClientMessageType::ClarificationRequest => self.executor_asks(inbound, msg_id),
+            ClientMessageType::Handoff => {
+                Self::extension_check(inbound, Extension::Handoff)?;
+                let frame = &inbound.frame;
+                let ask = HandoffAsk {
+                    to: handoff_placement(inbound),
+                    reason: frame
+                        .metadata_value("reason")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| "asked by the executor".to_owned()),
+                    by: inbound.client_id.clone(),
+                    candidates: handoff_candidates.unwrap_or_else(|| {
+                        Err(ErrorBody::new(
+                            ErrorCode::Internal,
+                            "the handoff's candidates were not looked up",
+                        ))
+                    }),
+                };
+                let session = frame.session_id.clone().unwrap_or_default();
+                self.with_task(&session, |core, task| {
+                    Self::check_executor(task, inbound)?;
+                    let agent = core.check_handoff(task, &ask)?;
+                    core.hand_off(task, ask, agent, Some(msg_id))
+                })
+            }
             ClientMessageType::ClarificationResponse => {
                 let frame = &inbound.frame;
                 Self::extension_check(inbound, Extension::Clarification)?;
@@ -1057,6 +1129,191 @@ impl Machine {
         }
     }
 
+    // ----- handoffs -----
+
+    /// Hands a task to another agent (REST, NATS).
+    pub fn handoff(&mut self, task_id: &str, ask: HandoffAsk) -> Result<Task, Refusal> {
+        self.with_task(task_id, |core, task| {
+            let agent = core.check_handoff(task, &ask)?;
+            core.hand_off(task, ask, agent, None)?;
+            Ok(task.clone())
+        })
+    }
+
+    /// Whether a task can be handed off as asked, and to whom: changes nothing.
+    fn check_handoff(&self, task: &Task, ask: &HandoffAsk) -> Result<AgentRecord, Refusal> {
+        Self::live_check(task)?;
+        let task_id = &task.task_id;
+        if task.ufo_dispatch {
+            return Err(Refusal::now(
+                ErrorCode::Conflict,
+                format!(
+                    "task '{task_id}' is a UFO dispatch, which runs on the device that took it"
+                ),
+            ));
+        }
+        if task.waiting.question().is_some() {
+            return Err(Refusal::now(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' waits for an answer; answer its open question first"),
+            ));
+        }
+        let max = i32::try_from(self.settings.max_handoffs).unwrap_or(i32::MAX);
+        if task.handoffs >= max {
+            return Err(Refusal::now(
+                ErrorCode::Conflict,
+                format!(
+                    "task '{task_id}' was handed off {} times, the limit (sessions.max_handoffs)",
+                    task.handoffs
+                ),
+            ));
+        }
+        if ask.reason.trim().is_empty() {
+            return Err(Refusal::now(
+                ErrorCode::InvalidRequest,
+                "a handoff needs a `reason`",
+            ));
+        }
+        let candidates = ask.candidates.clone().map_err(Refusal::Now)?;
+        let load = |id: &str| self.executors.get(id).map_or(0, |e| e.running);
+        let old = &task.executor.id;
+        let chosen = candidates
+            .into_iter()
+            .filter(|a| a.agent_id != *old && load(&a.agent_id) < self.settings.max_tasks_per_agent)
+            .min_by_key(|a| load(&a.agent_id));
+        chosen.ok_or_else(|| match &ask.to {
+            Placement::Target(target) if target == old => Refusal::now(
+                ErrorCode::Conflict,
+                format!("task '{task_id}' already runs on '{target}'"),
+            ),
+            Placement::Target(target) => Refusal::now(
+                ErrorCode::Unavailable,
+                format!("'{target}' cannot take task '{task_id}': it is not connected, or runs all the tasks it may"),
+            ),
+            Placement::Capabilities(c) if c.is_empty() => Refusal::now(
+                ErrorCode::InvalidRequest,
+                "a handoff needs `target_id` or `required_capabilities`",
+            ),
+            Placement::Capabilities(c) => Refusal::now(
+                ErrorCode::CapabilityMismatch,
+                format!("no other available agent with the capabilities {c:?} can take task '{task_id}' now"),
+            ),
+        })
+    }
+
+    /// Moves a task to `agent` (checked by [`Machine::check_handoff`]): the events, the old
+    /// executor released and told (`task_end`, failed, saying where the task went), the
+    /// requester told (a `handoff` frame if it announced the extension; a callback), and the
+    /// task going on from where it was: the current step again for scripted steps, the next
+    /// request to the planner naming the new executor.
+    fn hand_off(
+        &mut self,
+        task: &mut Task,
+        ask: HandoffAsk,
+        agent: AgentRecord,
+        msg_id: Option<&str>,
+    ) -> Result<(), Refusal> {
+        self.applied(msg_id);
+        let was_running = task.state() != TaskState::Submitted;
+        let to = match &ask.to {
+            Placement::Target(target) => json!({ "target_id": target }),
+            Placement::Capabilities(c) => json!({ "required_capabilities": c }),
+        };
+        self.event(
+            task,
+            EventKind::HandoffRequested,
+            Some(json!({ "to": to, "reason": ask.reason, "requested_by": ask.by })),
+        );
+        let old = task.executor.id.clone();
+        let notification = HandoffNotification {
+            version: V1,
+            task_id: task.task_id.clone(),
+            current_agent_id: old.clone(),
+            new_agent_id: agent.agent_id.clone(),
+            reason: ask.reason.clone(),
+        };
+        // The old executor lets go.
+        if task.requester.client_id() != Some(old.as_str()) {
+            self.unindex_client(&old, &task.task_id);
+        }
+        if let Some(entry) = self.executors.get_mut(&old) {
+            if was_running {
+                entry.running -= 1;
+            } else {
+                entry.queued.remove(&(
+                    Reverse(task.priority),
+                    task.created_ms,
+                    task.task_id.clone(),
+                ));
+            }
+        }
+        if was_running {
+            let frame = server::task_end(
+                &task.task_id,
+                TaskStatus::Failed,
+                None,
+                Some(format!(
+                    "the task was handed off to '{}': {}",
+                    agent.agent_id, ask.reason
+                )),
+                &server::new_id(),
+            );
+            self.send(&old, &frame);
+        }
+        // The new one takes it.
+        task.executor = ExecutorRef {
+            id: agent.agent_id.clone(),
+            platform: agent.platform,
+            connection: Some(agent.connection_id.clone()),
+        };
+        self.clients
+            .entry(agent.agent_id.clone())
+            .or_default()
+            .insert(task.task_id.clone());
+        self.executors
+            .entry(agent.agent_id.clone())
+            .or_default()
+            .running += 1;
+        task.handoffs += 1;
+        if task.state() != TaskState::Dispatched {
+            task.enter(TaskState::Dispatched)?;
+        }
+        let now = now_ms();
+        task.updated_ms = now;
+        task.deadline_ms = task.task_deadline_ms;
+        let seq = self.event(
+            task,
+            EventKind::HandoffAccepted,
+            serde_json::to_value(&notification).ok(),
+        );
+        if task.requester.understands(Extension::Handoff)
+            && let Some(client) = task.requester.client_id().map(str::to_owned)
+        {
+            self.send(&client, &server::handoff(&notification));
+        }
+        if let Some(callback) = crate::callbacks::notification(task, seq) {
+            self.pending.batch.callbacks.push(callback);
+        }
+        match task.plan {
+            Plan::Driver => task.waiting = Waiting::Nothing,
+            Plan::Scripted(_) => {
+                task.waiting = Waiting::Plan;
+                self.plan(task)?;
+            }
+            Plan::Planner(_) => {
+                // A new step: an answer planned for the old executor is stale.
+                task.history.push(json!({
+                    "step": task.step, "handoff": notification, "results": [],
+                }));
+                task.step += 1;
+                task.waiting = Waiting::Plan;
+                self.plan(task)?;
+            }
+        }
+        self.release(&old);
+        Ok(())
+    }
+
     // ----- clarifications -----
 
     /// An extension frame from a client that did not announce the extension is refused as UFO
@@ -1329,6 +1586,35 @@ impl Machine {
 /// How much longer than the planner's own timeout a lost planning request waits before it is
 /// asked again (the answer may be on its way).
 const REPLAN_MARGIN_MS: i64 = 5_000;
+
+/// Where a `handoff` frame asks the task to go: `target_id` (or `metadata.new_agent_id`), else
+/// `metadata.required_capabilities`.
+pub fn handoff_placement(inbound: &InboundFrame) -> Placement {
+    let frame = &inbound.frame;
+    let meta = |key: &str| frame.metadata_value(key);
+    let target = frame.target_id.clone().or_else(|| {
+        meta("new_agent_id")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    });
+    match target {
+        Some(target) => Placement::Target(target),
+        None => Placement::Capabilities(
+            meta("required_capabilities")
+                .and_then(|c| serde_json::from_value(c.clone()).ok())
+                .unwrap_or_default(),
+        ),
+    }
+}
+
+/// A handoff to apply: where to, why, who asks, and the agents the registry offered.
+#[derive(Debug, Clone)]
+pub struct HandoffAsk {
+    pub to: Placement,
+    pub reason: String,
+    pub by: String,
+    pub candidates: Result<Vec<AgentRecord>, ErrorBody>,
+}
 
 /// A question to ask.
 struct Asking {

@@ -86,6 +86,8 @@ pub struct SessionSettings {
     /// How long a question waits for its answer at most (and by default): unanswered, the
     /// task fails with TASK_TIMEOUT.
     pub clarification_timeout_secs: u64,
+    /// Handoffs per task at most (a bound on loops).
+    pub max_handoffs: u32,
     /// Who plans tasks without steps (`[sessions.planner]`, `AIP_SESSIONS__PLANNER__…`).
     pub planner: PlannerSettings,
     /// The built-in tool-calling agent (`[sessions.llm]`, `AIP_SESSIONS__LLM__…`).
@@ -201,6 +203,7 @@ impl Default for SessionSettings {
             callback_backoff_ms: 1_000,
             callback_max_backoff_ms: 600_000,
             clarification_timeout_secs: 3_600,
+            max_handoffs: 5,
             planner: PlannerSettings {
                 attempts: 3,
                 ..PlannerSettings::default()

@@ -292,6 +292,12 @@ const COLUMNS: &[Column] = &[
         cell: |t| json(t.waiting.question()),
     },
     Column {
+        name: "handoffs",
+        kind: Kind::Int4,
+        mutable: true,
+        cell: |t| Ok(Cell::Int4(t.handoffs)),
+    },
+    Column {
         name: "requester_extensions",
         kind: Kind::Json,
         mutable: false,
@@ -511,6 +517,7 @@ struct TaskRecord {
     next_seq: i64,
     question: Option<Json<Question>>,
     requester_extensions: Option<Json<Vec<Extension>>>,
+    handoffs: i32,
 }
 
 impl TryFrom<TaskRecord> for Task {
@@ -610,6 +617,7 @@ impl TryFrom<TaskRecord> for Task {
             created_ms: r.created_ms,
             updated_ms: r.updated_ms,
             next_seq: r.next_seq,
+            handoffs: r.handoffs,
         })
     }
 }
@@ -1588,13 +1596,13 @@ mod tests {
 
     #[test]
     fn the_statements_come_from_the_one_column_list() {
-        assert_eq!(COLUMNS.len(), 33);
+        assert_eq!(COLUMNS.len(), 34);
         let upsert = PG_WRITE_GROUP.as_str();
-        // The lease's four parameters, then the tasks' 33 columns, then the other tables',
+        // The lease's four parameters, then the tasks' 34 columns, then the other tables',
         // then the callbacks' four.
-        assert!(upsert.contains("$5::text[]") && upsert.contains("$37::text[]"));
-        assert!(upsert.contains("$50::int8") && upsert.contains("$54::text[]"));
-        assert!(!upsert.contains("$55"));
+        assert!(upsert.contains("$5::text[]") && upsert.contains("$38::text[]"));
+        assert!(upsert.contains("$51::int8") && upsert.contains("$55::text[]"));
+        assert!(!upsert.contains("$56"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(

@@ -361,6 +361,8 @@ pub struct Task {
     pub updated_ms: i64,
     /// The sequence number of the next event (gap-free from 1).
     pub next_seq: i64,
+    /// How many times it was handed to another agent.
+    pub handoffs: i32,
 }
 
 impl Task {
@@ -434,6 +436,10 @@ pub enum EventKind {
     ClarificationRequested,
     /// The question was answered.
     ClarificationAnswered,
+    /// Someone asked to hand the task to another agent.
+    HandoffRequested,
+    /// Another agent took it.
+    HandoffAccepted,
     /// It ended in this (terminal) state.
     Ended(TaskState),
 }
@@ -450,6 +456,8 @@ impl EventKind {
             EventKind::Planned => "planned",
             EventKind::ClarificationRequested => "clarification_requested",
             EventKind::ClarificationAnswered => "clarification_answered",
+            EventKind::HandoffRequested => "handoff_requested",
+            EventKind::HandoffAccepted => "handoff_accepted",
             EventKind::Ended(state) => state.as_str(),
         }
     }
@@ -487,6 +495,7 @@ mod tests {
             created_ms: 0,
             updated_ms: 0,
             next_seq: 1,
+            handoffs: 0,
         }
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use aip_bus::{Headers, StreamSpec, names};
 use futures::StreamExt;
-use proto_schemas::flow::{ClarificationResponse, TaskRequest};
+use proto_schemas::flow::{ClarificationResponse, HandoffRequest, TaskRequest};
 use proto_schemas::registry::Reply;
 use proto_schemas::sessions::{GatewayEvent, TaskAccepted, TaskView};
 use proto_schemas::{ErrorBody, ErrorCode};
@@ -153,7 +153,7 @@ async fn run_consumer(
             continue;
         }
         failing_chunks = 0;
-        for (delivery, msg_id, event, task) in chunk {
+        for (delivery, msg_id, event, task, handoff) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
                 GatewayEvent::Frame(inbound) => {
@@ -161,6 +161,7 @@ async fn run_consumer(
                         inbound: Box::new(inbound.clone()),
                         msg_id: msg_id.clone(),
                         task: task.map(Box::new),
+                        handoff,
                         reply,
                     };
                     (op, Some(inbound))
@@ -183,8 +184,18 @@ async fn run_consumer(
     }
 }
 
-/// One stream message, read and prepared.
-type PreparedEvent = (Delivery, String, GatewayEvent, Option<TaskFrame>);
+/// The agents the registry offers for a `handoff` frame.
+type HandoffCandidates = Result<Vec<proto_schemas::registry::AgentRecord>, ErrorBody>;
+
+/// One stream message, read and prepared (a `task` frame's task, a `handoff` frame's
+/// candidates).
+type PreparedEvent = (
+    Delivery,
+    String,
+    GatewayEvent,
+    Option<TaskFrame>,
+    Option<HandoffCandidates>,
+);
 
 /// Reads and prepares a chunk of stream messages: bodies and events concurrently, then the
 /// chunk's `task` frames together. Also returns how many receives failed.
@@ -218,16 +229,29 @@ async fn prepare_chunk(
         prepare_us = started.elapsed().as_micros() as u64,
         "chunk prepared"
     );
+    // A handoff frame's candidates, looked up now (they are rare: one at a time).
+    let mut handoffs = Vec::new();
+    for (_, _, event) in &events {
+        handoffs.push(match event {
+            GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Handoff => Some(
+                engine
+                    .handoff_candidates(&crate::machine::handoff_placement(f))
+                    .await,
+            ),
+            _ => None,
+        });
+    }
     let prepared = events
         .into_iter()
-        .map(|(delivery, msg_id, event)| {
+        .zip(handoffs)
+        .map(|((delivery, msg_id, event), handoff)| {
             let task = match &event {
                 GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => {
                     prepared.next()
                 }
                 _ => None,
             };
-            (delivery, msg_id, event, task)
+            (delivery, msg_id, event, task, handoff)
         })
         .collect();
     (prepared, errors)
@@ -415,75 +439,49 @@ pub async fn run_ack_listener(
     }
 }
 
-/// Answers `sessions.submit`: a [`TaskRequest`] over NATS.
-pub async fn serve_submissions(engine: Engine, stop: CancellationToken, tracker: TaskTracker) {
-    let subject = engine.subjects().sessions_submit();
-    let mut requests = match engine
-        .bus()
-        .queue_subscribe(subject.clone(), CONSUMER.to_owned())
-        .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!("cannot serve {subject}: {e}");
-            return;
-        }
-    };
-    loop {
-        let message = tokio::select! {
-            m = requests.next() => m,
-            () = stop.cancelled() => return,
-        };
-        let Some(message) = message else { return };
-        let engine = engine.clone();
-        tracker.spawn(async move {
-            let reply: Reply<TaskAccepted> = match read_submission(&message.payload) {
-                Ok(request) => {
-                    match new_task_from_request(
-                        request,
-                        Requester::Nats,
-                        engine.planners(),
-                        engine.callbacks(),
-                    ) {
-                        Ok(new) => match engine.submit(new).await {
-                            Ok(started) => Reply::Ok(accepted(&started.task)),
-                            Err(EngineError::Refused(body)) => Reply::Error(body),
-                            Err(EngineError::Store(e)) => {
-                                Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
-                            }
-                        },
-                        Err(body) => Reply::Error(body),
-                    }
-                }
-                Err(e) => Reply::Error(ErrorBody::new(
-                    ErrorCode::InvalidRequest,
-                    format!("not a TaskRequest: {e}"),
-                )),
-            };
-            let mut headers = Headers::new();
-            if let Reply::Error(body) = &reply {
-                headers.insert(names::ERROR_CODE, body.error_code.as_str());
-            }
-            let payload = match serde_json::to_vec(&reply) {
-                Ok(payload) => payload,
-                Err(e) => {
-                    tracing::error!("a submission's answer could not be encoded, not sent: {e}");
-                    return;
-                }
-            };
-            if let Err(e) =
-                aip_bus::respond(engine.bus().as_ref(), &message, headers, payload.into()).await
-            {
-                tracing::warn!("could not answer a submission: {e}");
-            }
-        });
-    }
+/// Answers `sessions.submit` (a [`TaskRequest`]), `sessions.clarify` (a
+/// ClarificationResponse) and `sessions.handoff` (a HandoffRequest) until `stop`.
+pub async fn serve_requests(engine: Engine, stop: CancellationToken, tracker: TaskTracker) {
+    let subjects = engine.subjects();
+    tokio::join!(
+        serve(
+            engine.clone(),
+            subjects.sessions_submit(),
+            &stop,
+            &tracker,
+            submit
+        ),
+        serve(
+            engine.clone(),
+            subjects.sessions_clarify(),
+            &stop,
+            &tracker,
+            clarify
+        ),
+        serve(
+            engine.clone(),
+            subjects.sessions_handoff(),
+            &stop,
+            &tracker,
+            handoff
+        ),
+    );
 }
 
-/// Answers questions over NATS (`sessions.clarify`, a ClarificationResponse) until `stop`;
-/// the reply is the task going on, or why the answer was refused.
-pub async fn serve_answers(engine: Engine, stop: CancellationToken, tracker: TaskTracker) {
-    let subject = engine.subjects().sessions_clarify();
+/// Serves one request/reply subject in the queue group until `stop`: each request is handled
+/// on its own task (tracked, so that shutdown waits for it) and answered with a
+/// [`Reply`], its error code also in the `Aip-Error-Code` header.
+async fn serve<T, F, Fut>(
+    engine: Engine,
+    subject: String,
+    stop: &CancellationToken,
+    tracker: &TaskTracker,
+    handle: F,
+) where
+    T: serde::Serialize + Send + 'static,
+    F: Fn(Engine, bytes::Bytes) -> Fut,
+    Fut: Future<Output = Reply<T>> + Send + 'static,
+{
     let mut requests = match engine
         .bus()
         .queue_subscribe(subject.clone(), CONSUMER.to_owned())
@@ -501,30 +499,10 @@ pub async fn serve_answers(engine: Engine, stop: CancellationToken, tracker: Tas
             () = stop.cancelled() => return,
         };
         let Some(message) = message else { return };
+        let reply = handle(engine.clone(), message.payload.clone());
         let engine = engine.clone();
         tracker.spawn(async move {
-            let reply: Reply<TaskView> =
-                match serde_json::from_slice::<ClarificationResponse>(&message.payload) {
-                    Ok(response) => {
-                        let answer = Answer {
-                            clarification_id: response.clarification_id,
-                            text: response.answer,
-                            data: response.data,
-                            by: Answerer::Nats(response.provided_by),
-                        };
-                        match engine.answer_question(&response.task_id, answer).await {
-                            Ok(task) => Reply::Ok(task.view()),
-                            Err(EngineError::Refused(body)) => Reply::Error(body),
-                            Err(EngineError::Store(e)) => {
-                                Reply::Error(ErrorBody::new(ErrorCode::Unavailable, e.to_string()))
-                            }
-                        }
-                    }
-                    Err(e) => Reply::Error(ErrorBody::new(
-                        ErrorCode::InvalidRequest,
-                        format!("not a ClarificationResponse: {e}"),
-                    )),
-                };
+            let reply = reply.await;
             let mut headers = Headers::new();
             if let Reply::Error(body) = &reply {
                 headers.insert(names::ERROR_CODE, body.error_code.as_str());
@@ -535,13 +513,98 @@ pub async fn serve_answers(engine: Engine, stop: CancellationToken, tracker: Tas
                         aip_bus::respond(engine.bus().as_ref(), &message, headers, payload.into())
                             .await
                     {
-                        tracing::warn!("could not answer an answer: {e}");
+                        tracing::warn!("could not reply on {}: {e}", message.subject);
                     }
                 }
-                Err(e) => tracing::error!("an answer's reply could not be encoded: {e}"),
+                Err(e) => tracing::error!("a reply could not be encoded, not sent: {e}"),
             }
         });
     }
+}
+
+/// The reply to an engine's refusal or database failure.
+fn refused(e: EngineError) -> ErrorBody {
+    match e {
+        EngineError::Refused(body) => body,
+        EngineError::Store(e) => ErrorBody::new(ErrorCode::Unavailable, e.to_string()),
+    }
+}
+
+/// `sessions.submit`: starts the task.
+async fn submit(engine: Engine, payload: bytes::Bytes) -> Reply<TaskAccepted> {
+    let request = match read_submission(&payload) {
+        Ok(request) => request,
+        Err(e) => {
+            return Reply::Error(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("not a TaskRequest: {e}"),
+            ));
+        }
+    };
+    let new = match new_task_from_request(
+        request,
+        Requester::Nats,
+        engine.planners(),
+        engine.callbacks(),
+    ) {
+        Ok(new) => new,
+        Err(body) => return Reply::Error(body),
+    };
+    engine
+        .submit(new)
+        .await
+        .map(|started| accepted(&started.task))
+        .map_err(refused)
+        .into()
+}
+
+/// `sessions.clarify`: answers the task's open question.
+async fn clarify(engine: Engine, payload: bytes::Bytes) -> Reply<TaskView> {
+    let response = match serde_json::from_slice::<ClarificationResponse>(&payload) {
+        Ok(response) => response,
+        Err(e) => {
+            return Reply::Error(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("not a ClarificationResponse: {e}"),
+            ));
+        }
+    };
+    let answer = Answer {
+        clarification_id: response.clarification_id,
+        text: response.answer,
+        data: response.data,
+        by: Answerer::Nats(response.provided_by),
+    };
+    engine
+        .answer_question(&response.task_id, answer)
+        .await
+        .map(|task| task.view())
+        .map_err(refused)
+        .into()
+}
+
+/// `sessions.handoff`: hands the task to another agent.
+async fn handoff(engine: Engine, payload: bytes::Bytes) -> Reply<TaskView> {
+    let request = match serde_json::from_slice::<HandoffRequest>(&payload) {
+        Ok(request) => request,
+        Err(e) => {
+            return Reply::Error(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("not a HandoffRequest: {e}"),
+            ));
+        }
+    };
+    let to = match request.target_id {
+        Some(target) => Placement::Target(target),
+        None => Placement::Capabilities(request.required_capabilities),
+    };
+    let by = format!("nats:{}", request.requested_by);
+    engine
+        .handoff(&request.task_id, to, request.reason, by)
+        .await
+        .map(|task| task.view())
+        .map_err(refused)
+        .into()
 }
 
 /// A `sessions.submit` payload as a [`TaskRequest`], its text made storable as REST's is

@@ -26,6 +26,7 @@ struct Received {
     headers: HeaderMap,
     body: String,
     answered: u16,
+    at: std::time::Instant,
 }
 
 /// Answers the `n`th request (from 0) with a status and optional `Retry-After`.
@@ -49,6 +50,7 @@ async fn receive(
         headers,
         body,
         answered: status.as_u16(),
+        at: std::time::Instant::now(),
     });
     match retry_after {
         Some(after) => (status, [("retry-after", after)]).into_response(),
@@ -77,7 +79,8 @@ fn fast_callbacks(s: &mut aip_sessions::SessionSettings) {
     s.callback_allow_private = true;
     s.callback_secret = vec![SECRET.into(), NEXT_SECRET.into()];
     s.callback_backoff_ms = 100;
-    s.callback_max_backoff_ms = 400;
+    // Above the Retry-After of the test, which the longest backoff caps.
+    s.callback_max_backoff_ms = 1_500;
     s.callback_max_attempts = 5;
 }
 
@@ -165,15 +168,13 @@ async fn a_failing_receiver_gets_one_delivery_signed_and_logged(backend: Backend
     let got = got.lock().expect("lock").clone();
     assert_eq!(got.len(), 4, "{got:?}");
     assert_eq!(got.iter().filter(|r| r.answered < 300).count(), 1);
-    // Retry-After: 1 was honoured between the second and third attempt.
-    let at = |r: &Received| {
-        r.headers["webhook-timestamp"]
-            .to_str()
-            .expect("text")
-            .parse::<i64>()
-            .expect("seconds")
-    };
-    assert!(at(&got[2]) - at(&got[1]) >= 1, "Retry-After: 1 is honoured");
+    // Retry-After: 1 was honoured between the second and third attempt (the backoff alone
+    // waits 200 ms, with jitter at most 400 ms).
+    let waited = got[2].at - got[1].at;
+    assert!(
+        waited >= Duration::from_millis(950),
+        "Retry-After: 1 is honoured: {waited:?}"
+    );
 
     // Every attempt is the same message, signed with both secrets.
     let webhook_id = callback["callback_id"].as_str().expect("id");

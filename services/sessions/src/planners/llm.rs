@@ -108,6 +108,7 @@ impl LlmPlanner {
             return Planned {
                 decision: Ok(list_tools()),
                 note: None,
+                handoff_candidates: None,
             };
         }
         let conversation = match Conversation::read(engine, &request.task_id).await {
@@ -116,6 +117,7 @@ impl LlmPlanner {
                 return Planned {
                     decision: Err(e),
                     note: None,
+                    handoff_candidates: None,
                 };
             }
         };
@@ -134,6 +136,7 @@ impl LlmPlanner {
         let fail = |note: Note, error: PlannerError| Planned {
             decision: Err(error),
             note: Some(note.to_value()),
+            handoff_candidates: None,
         };
         if conversation.turns == 0 {
             let tools = match tools_of(&request.last_results) {
@@ -189,6 +192,7 @@ impl LlmPlanner {
         Planned {
             decision,
             note: Some(note.to_value()),
+            handoff_candidates: None,
         }
     }
 

@@ -23,8 +23,9 @@ use proto_schemas::{ErrorBody, ErrorCode, PlannerName};
 use serde_json::Value;
 use tokio::sync::{Semaphore, mpsc};
 
-use crate::engine::{Engine, Op};
+use crate::engine::{Engine, Op, Placement};
 use crate::settings::SessionSettings;
+use proto_schemas::registry::AgentRecord;
 
 /// One step to plan, and who plans it.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +41,8 @@ pub struct Planned {
     pub decision: Result<PlanStep, PlannerError>,
     /// Kept in the task's event log as a `planned` event (the agent's conversation turn).
     pub note: Option<Value>,
+    /// For a handoff decision: the agents the registry offered.
+    pub handoff_candidates: Option<Result<Vec<AgentRecord>, ErrorBody>>,
 }
 
 impl Planned {
@@ -47,6 +50,7 @@ impl Planned {
         Planned {
             decision,
             note: None,
+            handoff_candidates: None,
         }
     }
 }
@@ -269,7 +273,19 @@ pub async fn run_planner(
         let engine = engine.clone();
         let planners = planners.clone();
         tokio::spawn(async move {
-            let planned = planners.ask(&engine, &job).await;
+            let mut planned = planners.ask(&engine, &job).await;
+            if let Ok(PlanStep::Handoff {
+                target_id,
+                required_capabilities,
+                ..
+            }) = &planned.decision
+            {
+                let to = match target_id {
+                    Some(target) => Placement::Target(target.clone()),
+                    None => Placement::Capabilities(required_capabilities.clone()),
+                };
+                planned.handoff_candidates = Some(engine.handoff_candidates(&to).await);
+            }
             let step = i32::try_from(job.request.step).unwrap_or(i32::MAX);
             engine
                 .send_op(Op::Planned {
