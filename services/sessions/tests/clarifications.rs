@@ -72,11 +72,18 @@ fn asking_planner(
 }
 
 async fn rounds_by_frame_rest_and_nats_and_strangers_are_refused(backend: Backend) {
-    let stack = Stack::start(backend, Options::default())
-        .await
-        .expect("stack");
+    // The device and the constellation on two gateways.
+    let stack = Stack::start(
+        backend,
+        Options {
+            gateways: 2,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
     let mut requests = asking_planner(&stack, &["Which file?", "Which folder?", "Which name?"]);
-    let _dev = Client::registered(&stack.ws_url(0), device_register("q-pc", "linux")).await;
+    let _dev = Client::registered(&stack.ws_url(1), device_register("q-pc", "linux")).await;
     stack.wait_online("q-pc").await;
     let galaxy_id = "g@q-pc";
     let mut galaxy = Client::registered(

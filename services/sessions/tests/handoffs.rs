@@ -27,18 +27,21 @@ async fn in_state(stack: &Stack, id: &str, state: &str) -> Value {
     .expect("the state comes")
 }
 
+/// A device on the stack's last gateway (the requesters use the first).
 async fn device(stack: &Stack, id: &str, capabilities: &[&str], extensions: bool) -> Client {
     let mut register = device_register_with(id, capabilities);
     if extensions {
         register["metadata"]["aip_extensions"] = json!(["handoff"]);
     }
-    let client = Client::registered(&stack.ws_url(0), register).await;
+    let gateway = stack.gateways.len() - 1;
+    let client = Client::registered(&stack.ws_url(gateway), register).await;
     stack.wait_online(id).await;
     client
 }
 
 fn options() -> Options {
     Options {
+        gateways: 2,
         sessions_settings: Some(|s| s.max_handoffs = 2),
         ..Options::default()
     }
