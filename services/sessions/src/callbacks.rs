@@ -37,6 +37,27 @@ use crate::settings::SessionSettings;
 use crate::store::{DueCallback, NewCallback, Settled, now_ms};
 use crate::task::Task;
 
+/// The form of a callback URL, checked on submission and published in the OpenAPI document:
+/// `http` or `https`, a host name (labels of letters, digits and `-`, the last starting with a
+/// letter) or a dotted IPv4 address, an optional port (1 to 65535), an optional path and query
+/// of URL characters. No user info, no fragment, no IPv6 literal.
+pub const CALLBACK_URL_PATTERN: &str = concat!(
+    r"^https?://",
+    r"(([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*[A-Za-z]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?",
+    r"|((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9]))",
+    r"(:(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3}))?",
+    r"(/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?",
+    r"(\?[A-Za-z0-9._~!$&'()*+,;=:@%/?-]*)?$",
+);
+
+/// [`CALLBACK_URL_PATTERN`], compiled (a unit test keeps it compiling; were it not, every
+/// URL would be refused, and the error logged).
+static CALLBACK_URL: std::sync::LazyLock<Option<regex::Regex>> = std::sync::LazyLock::new(|| {
+    regex::Regex::new(CALLBACK_URL_PATTERN)
+        .inspect_err(|e| tracing::error!("the callback URL pattern does not compile: {e}"))
+        .ok()
+});
+
 /// How often the worker looks for due callbacks.
 const SWEEP: Duration = Duration::from_millis(200);
 /// Callbacks claimed at once.
@@ -144,6 +165,12 @@ impl Callbacks {
     /// Checks a task's callback URL when it is submitted: http or https, with a host that is
     /// not a loopback or private address (unless allowed).
     pub fn check_url(&self, url: &str) -> Result<(), String> {
+        if !CALLBACK_URL.as_ref().is_some_and(|r| r.is_match(url)) {
+            return Err(format!(
+                "`callback_url` must be an http(s) URL with a host name or IPv4 address, an \
+                 optional port, path and query (no user info or fragment): {url:?}"
+            ));
+        }
         let parsed = reqwest::Url::parse(url)
             .map_err(|e| format!("`callback_url` is not a URL ({e}): {url:?}"))?;
         if !matches!(parsed.scheme(), "http" | "https") {
@@ -493,7 +520,22 @@ mod tests {
             assert!(c.check_url(url).is_err(), "{url} should be refused");
         }
         assert!(c.check_url("https://example.com/hook").is_ok());
+        assert!(
+            c.check_url("https://hooks.example.com:8443/a/b?c=d&e=%20")
+                .is_ok()
+        );
         assert!(c.check_url("http://93.184.216.34/hook").is_ok());
+        for odd in [
+            "https://user:pw@example.com/",
+            "https://example.com/#frag",
+            "https://example.com:65536/",
+            "https://999.1.1.1/",
+            "https://exa mple.com/",
+            "https://[2606:4700::1111]/",
+        ] {
+            assert!(c.check_url(odd).is_err(), "{odd} should be refused");
+        }
+        assert!(CALLBACK_URL.is_some(), "the pattern compiles");
         let open = callbacks(true);
         assert!(open.check_url("http://127.0.0.1:9/x").is_ok());
         assert!(

@@ -981,10 +981,10 @@ struct HandoffBody {
     responses(
         (status = 200, description = "the task on its new executor", body = TaskView),
         (status = 400, description = "no `target_id` nor capabilities, a blank reason, or a body of the wrong shape", body = ErrorBody),
-        (status = 404, description = NO_TASK, body = ErrorBody),
-        (status = 409, description = "the task has ended, waits for an answer, already runs there, or reached `max_handoffs`", body = ErrorBody),
+        (status = 404, description = "no task with this id, or the target device is not connected", body = ErrorBody),
+        (status = 409, description = "the task has ended, waits for an answer, already runs there, reached `max_handoffs`, or the target runs all the tasks it may", body = ErrorBody),
         (status = 422, description = "no other available agent has the capabilities", body = ErrorBody),
-        (status = 503, description = "the target cannot take it now, or the registry or database is unavailable", body = ErrorBody),
+        (status = 503, description = "the registry or database is unavailable", body = ErrorBody),
     )
 )]
 async fn handoff_task(
@@ -1197,6 +1197,8 @@ pub fn openapi() -> OpenApi {
         .into_openapi();
     aip_runtime::api_error::document(&mut document);
     task_request_rules(&mut document);
+    dispatch_rules(&mut document);
+    handoff_rules(&mut document);
     add_links(&mut document);
     document
 }
@@ -1300,6 +1302,91 @@ fn task_request_rules(document: &mut OpenApi) {
             .item(placement)
             .item(plan)
             .item(planned)
+            .into(),
+    );
+    // The callback URL's form (its address is checked too: see `callback_allow_private`).
+    if let Some(components) = document.components.as_mut()
+        && let Some(RefOr::T(Schema::Object(request))) = components.schemas.get_mut("TaskRequest")
+        && let Some(RefOr::T(Schema::Object(url))) = request.properties.get_mut("callback_url")
+    {
+        url.pattern = Some(crate::callbacks::CALLBACK_URL_PATTERN.to_owned());
+    }
+}
+
+/// The rule of a handoff body that its type cannot say: a target or at least one capability.
+fn handoff_rules(document: &mut OpenApi) {
+    use utoipa::openapi::schema::{
+        AllOfBuilder, AnyOfBuilder, ArrayBuilder, ObjectBuilder, Schema, Type,
+    };
+    use utoipa::openapi::{Ref, RefOr};
+    let Some(RefOr::T(body)) = document
+        .paths
+        .paths
+        .get_mut("/api/tasks/{id}/handoff")
+        .and_then(|item| item.post.as_mut())
+        .and_then(|post| post.request_body.as_mut())
+    else {
+        return;
+    };
+    let Some(RefOr::T(content)) = body.content.get_mut("application/json") else {
+        return;
+    };
+    let target = ObjectBuilder::new()
+        .property("target_id", ObjectBuilder::new().schema_type(Type::String))
+        .required("target_id")
+        .build();
+    let capabilities = ObjectBuilder::new()
+        .property(
+            "required_capabilities",
+            ArrayBuilder::new()
+                .items(ObjectBuilder::new().schema_type(Type::String))
+                .min_items(Some(1)),
+        )
+        .required("required_capabilities")
+        .build();
+    let where_to = AnyOfBuilder::new()
+        .item(Schema::Object(target))
+        .item(Schema::Object(capabilities))
+        .description(Some("a target or at least one capability"));
+    content.schema = Some(
+        AllOfBuilder::new()
+            .item(Ref::from_schema_name("HandoffBody"))
+            .item(where_to)
+            .into(),
+    );
+}
+
+/// The rules of a dispatch body that its type cannot say: `planner` only without `steps`.
+fn dispatch_rules(document: &mut OpenApi) {
+    use utoipa::openapi::schema::{AllOfBuilder, AnyOfBuilder, ObjectBuilder, Schema, Type};
+    use utoipa::openapi::{Ref, RefOr};
+    let Some(RefOr::T(body)) = document
+        .paths
+        .paths
+        .get_mut("/api/dispatch")
+        .and_then(|item| item.post.as_mut())
+        .and_then(|post| post.request_body.as_mut())
+    else {
+        return;
+    };
+    let Some(RefOr::T(content)) = body.content.get_mut("application/json") else {
+        return;
+    };
+    let absent = |name: &str| {
+        Schema::Object(
+            ObjectBuilder::new()
+                .property(name, ObjectBuilder::new().schema_type(Type::Null))
+                .build(),
+        )
+    };
+    let one_plan = AnyOfBuilder::new()
+        .item(absent("planner"))
+        .item(absent("steps"))
+        .description(Some("`planner` only without `steps`"));
+    content.schema = Some(
+        AllOfBuilder::new()
+            .item(Ref::from_schema_name("DispatchRequest"))
+            .item(one_plan)
             .into(),
     );
 }

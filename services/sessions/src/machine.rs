@@ -1175,6 +1175,7 @@ impl Machine {
             ));
         }
         let candidates = ask.candidates.clone().map_err(Refusal::Now)?;
+        let offered = !candidates.is_empty();
         let load = |id: &str| self.executors.get(id).map_or(0, |e| e.running);
         let old = &task.executor.id;
         let chosen = candidates
@@ -1186,9 +1187,13 @@ impl Machine {
                 ErrorCode::Conflict,
                 format!("task '{task_id}' already runs on '{target}'"),
             ),
+            Placement::Target(target) if offered => Refusal::now(
+                ErrorCode::Conflict,
+                format!("'{target}' cannot take task '{task_id}' now: it runs all the tasks it may"),
+            ),
             Placement::Target(target) => Refusal::now(
-                ErrorCode::Unavailable,
-                format!("'{target}' cannot take task '{task_id}': it is not connected, or runs all the tasks it may"),
+                ErrorCode::DeviceNotFound,
+                format!("Device '{target}' is not connected"),
             ),
             Placement::Capabilities(c) if c.is_empty() => Refusal::now(
                 ErrorCode::InvalidRequest,

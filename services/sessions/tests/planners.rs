@@ -439,7 +439,7 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
     let (status, refusal) = submit("anything", Some("http")).await;
     assert_eq!(
         (status, refusal["error_code"].as_str()),
-        (400, Some("INVALID_REQUEST")),
+        (404, Some("NOT_FOUND")),
         "{refusal}"
     );
     assert!(

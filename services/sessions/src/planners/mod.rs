@@ -201,8 +201,9 @@ impl Planners {
             ),
             PlannerName::Http | PlannerName::Llm => None,
         };
+        // Like an agent that is not there: which planners exist is the deployment's choice.
         match missing {
-            Some(why) => Err(ErrorBody::new(ErrorCode::InvalidRequest, why)),
+            Some(why) => Err(ErrorBody::new(ErrorCode::NotFound, why)),
             None => Ok(name),
         }
     }
@@ -379,6 +380,6 @@ mod tests {
         let refusal = planners
             .choose(Some(PlannerName::Http))
             .expect_err("no URL");
-        assert_eq!(refusal.error_code, ErrorCode::InvalidRequest);
+        assert_eq!(refusal.error_code, ErrorCode::NotFound);
     }
 }
