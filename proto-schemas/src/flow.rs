@@ -37,6 +37,10 @@ pub struct TaskRequest {
     /// Where to POST the outcome (validated, signed, retried).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub callback_url: Option<String>,
+    /// Besides the end (always) and a question (always), the states whose entry is also
+    /// POSTed to `callback_url` (e.g. `dispatched`, `working`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub callback_on: Vec<TaskState>,
     /// Higher runs first when an agent is busy (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,

@@ -63,6 +63,8 @@ pub struct NewTask {
     pub priority: i32,
     /// Where to report the outcome.
     pub callback_url: Option<String>,
+    /// The states besides the end that are reported there too.
+    pub callback_on: Vec<TaskState>,
     /// Fail after this long (capped by the service's task timeout).
     pub timeout_secs: Option<u64>,
     /// A UFO `POST /api/dispatch`: the device is sent a server `task` frame and echoes it.
@@ -83,6 +85,7 @@ impl NewTask {
             plan,
             priority: 0,
             callback_url: None,
+            callback_on: Vec::new(),
             timeout_secs: None,
             ufo_dispatch: false,
         }
@@ -294,15 +297,40 @@ impl Machine {
     fn event(&mut self, task: &mut Task, kind: EventKind, data: Option<Value>) -> i64 {
         let seq = task.next_seq;
         task.next_seq += 1;
+        let state = task.state();
         self.pending.batch.events.push(NewEvent {
             task_id: task.task_id.clone(),
             seq,
             at_ms: now_ms(),
             kind,
-            state: task.state(),
+            state,
             data,
         });
+        // A transition the requester asked to hear of (the end and questions always are).
+        if state != task.evented_state {
+            task.evented_state = state;
+            if state.is_terminal()
+                || state == TaskState::InputRequired
+                || task.callback_on.contains(&state)
+            {
+                self.notify(task, seq);
+            }
+        }
         seq
+    }
+
+    /// Queues the task's callback (if it has one) for the event `seq`, once.
+    fn notify(&mut self, task: &Task, seq: i64) {
+        let Some(callback) = crate::callbacks::notification(task, seq) else {
+            return;
+        };
+        let queued = &self.pending.batch.callbacks;
+        if queued
+            .last()
+            .is_none_or(|c| c.callback_id != callback.callback_id)
+        {
+            self.pending.batch.callbacks.push(callback);
+        }
     }
 
     /// Queues a frame for the outbox. A frame that cannot be encoded is logged and not
@@ -442,6 +470,8 @@ impl Machine {
             result: None,
             error: None,
             callback_url: new.callback_url.clone(),
+            callback_on: new.callback_on.clone(),
+            evented_state: TaskState::Submitted,
             task_deadline_ms: task_deadline,
             deadline_ms: task_deadline,
             created_ms: now,
@@ -1296,9 +1326,7 @@ impl Machine {
         {
             self.send(&client, &server::handoff(&notification));
         }
-        if let Some(callback) = crate::callbacks::notification(task, seq) {
-            self.pending.batch.callbacks.push(callback);
-        }
+        self.notify(task, seq);
         match task.plan {
             Plan::Driver => task.waiting = Waiting::Nothing,
             Plan::Scripted(_) => {
@@ -1407,7 +1435,7 @@ impl Machine {
         task.updated_ms = now;
         task.waiting = Waiting::Answer(Box::new(question));
         self.planning.remove(&task.task_id);
-        let seq = self.event(
+        self.event(
             task,
             EventKind::ClarificationRequested,
             serde_json::to_value(&request).ok(),
@@ -1416,9 +1444,6 @@ impl Machine {
             && let Some(client) = task.requester.client_id().map(str::to_owned)
         {
             self.send(&client, &server::clarification_request(&request));
-        }
-        if let Some(callback) = crate::callbacks::notification(task, seq) {
-            self.pending.batch.callbacks.push(callback);
         }
         Ok(())
     }
@@ -1543,10 +1568,7 @@ impl Machine {
             "error": task.error.as_ref().map(|e| &e.detail),
             "error_code": task.error.as_ref().map(|e| e.code.as_str()),
         });
-        let seq = self.event(task, EventKind::Ended(state), Some(data));
-        if let Some(callback) = crate::callbacks::notification(task, seq) {
-            self.pending.batch.callbacks.push(callback);
-        }
+        self.event(task, EventKind::Ended(state), Some(data));
         self.planning.remove(&task.task_id);
 
         let status = if state == TaskState::Completed {
@@ -1716,6 +1738,7 @@ mod tests {
                 plan: Plan::Scripted(vec![step; steps]),
                 priority,
                 callback_url: None,
+                callback_on: Vec::new(),
                 timeout_secs: None,
                 ufo_dispatch: false,
             },

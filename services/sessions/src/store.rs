@@ -298,6 +298,15 @@ const COLUMNS: &[Column] = &[
         cell: |t| Ok(Cell::Int4(t.handoffs)),
     },
     Column {
+        name: "callback_on",
+        kind: Kind::Json,
+        mutable: false,
+        cell: |t| match t.callback_on.is_empty() {
+            true => json::<()>(None),
+            false => json(Some(&t.callback_on)),
+        },
+    },
+    Column {
         name: "requester_extensions",
         kind: Kind::Json,
         mutable: false,
@@ -518,6 +527,7 @@ struct TaskRecord {
     question: Option<Json<Question>>,
     requester_extensions: Option<Json<Vec<Extension>>>,
     handoffs: i32,
+    callback_on: Option<Json<Vec<TaskState>>>,
 }
 
 impl TryFrom<TaskRecord> for Task {
@@ -612,6 +622,8 @@ impl TryFrom<TaskRecord> for Task {
             ufo_dispatch: r.ufo_dispatch,
             priority: r.priority,
             callback_url: r.callback_url,
+            callback_on: r.callback_on.map(|c| c.0).unwrap_or_default(),
+            evented_state: state,
             task_deadline_ms: r.task_deadline_ms,
             deadline_ms: r.deadline_ms,
             created_ms: r.created_ms,
@@ -1596,13 +1608,13 @@ mod tests {
 
     #[test]
     fn the_statements_come_from_the_one_column_list() {
-        assert_eq!(COLUMNS.len(), 34);
+        assert_eq!(COLUMNS.len(), 35);
         let upsert = PG_WRITE_GROUP.as_str();
-        // The lease's four parameters, then the tasks' 34 columns, then the other tables',
+        // The lease's four parameters, then the tasks' 35 columns, then the other tables',
         // then the callbacks' four.
-        assert!(upsert.contains("$5::text[]") && upsert.contains("$38::text[]"));
-        assert!(upsert.contains("$51::int8") && upsert.contains("$55::text[]"));
-        assert!(!upsert.contains("$56"));
+        assert!(upsert.contains("$5::text[]") && upsert.contains("$39::text[]"));
+        assert!(upsert.contains("$52::int8") && upsert.contains("$56::text[]"));
+        assert!(!upsert.contains("$57"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(

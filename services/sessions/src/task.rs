@@ -351,6 +351,11 @@ pub struct Task {
     pub error: Option<TaskError>,
     /// Where to report the outcome.
     pub callback_url: Option<String>,
+    /// The states besides the end whose entry is also sent to the callback.
+    pub callback_on: Vec<TaskState>,
+    /// The state the last event recorded (not stored: the stored state, when loaded): an
+    /// event in another state is a transition.
+    pub(crate) evented_state: TaskState,
     /// When the whole task times out (epoch ms).
     pub task_deadline_ms: i64,
     /// The nearest deadline: the task's, or the command's in flight (epoch ms).
@@ -490,6 +495,8 @@ mod tests {
             result: None,
             error: None,
             callback_url: None,
+            callback_on: Vec::new(),
+            evented_state: state,
             task_deadline_ms: 0,
             deadline_ms: 0,
             created_ms: 0,

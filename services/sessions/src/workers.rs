@@ -684,6 +684,7 @@ pub fn new_task_from_request(
         data: request.data,
         priority: request.priority.unwrap_or(0),
         callback_url: request.callback_url,
+        callback_on: request.callback_on,
         timeout_secs: request.timeout_secs,
         ..NewTask::new(
             request.description,

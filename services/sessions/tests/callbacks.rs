@@ -312,6 +312,68 @@ async fn gone_stops_dead_letters_wait_and_redeliver_starts_over(backend: Backend
 }
 both_backends!(gone_stops_dead_letters_wait_and_redeliver_starts_over);
 
+async fn callbacks_follow_the_transitions_the_request_asks_for(backend: Backend) {
+    let (url, got) = receiver(Arc::new(|_| (StatusCode::OK, None))).await;
+    let stack = Stack::start(backend, options()).await.expect("stack");
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("on-pc", "linux")).await;
+    stack.wait_online("on-pc").await;
+    let body = json!({
+        "version": 1, "description": "tell me each step", "originating_agent_id": "caller",
+        "target_id": "on-pc", "callback_url": url, "callback_on": ["dispatched", "working"],
+        "steps": [[{ "tool_name": "a", "tool_type": "action" }], [{ "tool_name": "b", "tool_type": "action" }]]
+    });
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+    let id = task["task_id"].as_str().expect("id").to_owned();
+    for _ in 0..2 {
+        let command = dev.recv_type("command").await.expect("command");
+        dev.send(&command_results_for("on-pc", &command))
+            .await
+            .expect("results");
+    }
+    let log = eventually("three delivered callbacks", || async {
+        let log = callbacks_of(&stack, &id).await;
+        let callbacks = log["callbacks"].as_array().cloned().unwrap_or_default();
+        (callbacks.len() == 3 && callbacks.iter().all(|c| c["state"] == "delivered"))
+            .then_some(callbacks)
+    })
+    .await
+    .expect("delivered");
+    // One per transition asked for (working once, not once per step), then the end.
+    let mut told: Vec<(i64, String, String)> = log
+        .iter()
+        .map(|c| {
+            let seq = c["callback_id"]
+                .as_str()
+                .and_then(|id| id.rsplit(':').next())
+                .and_then(|n| n.parse().ok())
+                .expect("seq");
+            let n = &c["notification"];
+            (
+                seq,
+                n["state"].as_str().unwrap_or_default().to_owned(),
+                n["status"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    told.sort();
+    let told: Vec<(&str, &str)> = told
+        .iter()
+        .map(|(_, state, status)| (state.as_str(), status.as_str()))
+        .collect();
+    assert_eq!(
+        told,
+        [
+            ("dispatched", "in_progress"),
+            ("working", "in_progress"),
+            ("completed", "complete")
+        ]
+    );
+    assert_eq!(got.lock().expect("lock").len(), 3);
+    stack.stop().await;
+}
+both_backends!(callbacks_follow_the_transitions_the_request_asks_for);
+
 async fn private_callback_urls_are_refused_by_default(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
         .await
