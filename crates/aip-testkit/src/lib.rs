@@ -404,6 +404,38 @@ impl Stack {
         )
     }
 
+    /// A task as `GET /api/tasks/{id}` shows it (the error body if there is none).
+    pub async fn task(&self, id: &str) -> Value {
+        get_json(&format!("{}/api/tasks/{id}", self.sessions_url()))
+            .await
+            .1
+    }
+
+    /// Waits until the task is in `state`, and returns it; panics after [`WAIT`].
+    pub async fn task_in_state(&self, id: &str, state: &str) -> Value {
+        eventually(&format!("task {id} to be {state}"), || async {
+            let task = self.task(id).await;
+            (task["state"] == state).then_some(task)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Waits until the task has ended (completed, failed, canceled or rejected), and returns
+    /// it; panics after [`WAIT`].
+    pub async fn task_ended(&self, id: &str) -> Value {
+        eventually(&format!("task {id} to end"), || async {
+            let task = self.task(id).await;
+            let ended = matches!(
+                task["state"].as_str(),
+                Some("completed" | "failed" | "canceled" | "rejected")
+            );
+            ended.then_some(task)
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
     /// `http://…` of the registry.
     pub fn registry_url(&self) -> String {
         format!("http://{}", self.registry_http)

@@ -529,6 +529,23 @@ impl Machine {
         })
     }
 
+    /// An executor's share no longer holds `task`: one task fewer running, or out of its
+    /// queue.
+    fn let_go(&mut self, executor: &str, task: &Task, was_running: bool) {
+        let Some(entry) = self.executors.get_mut(executor) else {
+            return;
+        };
+        if was_running {
+            entry.running -= 1;
+        } else {
+            entry.queued.remove(&(
+                Reverse(task.priority),
+                task.created_ms,
+                task.task_id.clone(),
+            ));
+        }
+    }
+
     /// Dispatches an executor's queued tasks while it has room.
     fn release(&mut self, executor: &str) {
         loop {
@@ -1271,17 +1288,7 @@ impl Machine {
         if task.requester.client_id() != Some(old.as_str()) {
             self.unindex_client(&old, &task.task_id);
         }
-        if let Some(entry) = self.executors.get_mut(&old) {
-            if was_running {
-                entry.running -= 1;
-            } else {
-                entry.queued.remove(&(
-                    Reverse(task.priority),
-                    task.created_ms,
-                    task.task_id.clone(),
-                ));
-            }
-        }
+        self.let_go(&old, task, was_running);
         if was_running {
             let frame = server::task_end(
                 &task.task_id,
@@ -1594,17 +1601,7 @@ impl Machine {
         if was_running && requester_client.as_deref() != Some(executor.as_str()) {
             self.send(&executor, &frame);
         }
-        if let Some(entry) = self.executors.get_mut(&executor) {
-            if was_running {
-                entry.running -= 1;
-            } else {
-                entry.queued.remove(&(
-                    Reverse(task.priority),
-                    task.created_ms,
-                    task.task_id.clone(),
-                ));
-            }
-        }
+        self.let_go(&executor, task, was_running);
         self.release(&executor);
         Ok(())
     }

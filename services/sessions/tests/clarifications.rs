@@ -8,9 +8,7 @@ use aip_bus::Headers;
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register,
 };
-use aip_testkit::{
-    Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
-};
+use aip_testkit::{Backend, Client, Options, Stack, both_backends, get_json, post_json};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -18,21 +16,6 @@ use serde_json::{Value, json};
 fn with_clarification(mut register: Value) -> Value {
     register["metadata"]["aip_extensions"] = json!(["clarification"]);
     register
-}
-
-async fn task(stack: &Stack, id: &str) -> Value {
-    get_json(&format!("{}/api/tasks/{id}", stack.sessions_url()))
-        .await
-        .1
-}
-
-async fn in_state(stack: &Stack, id: &str, state: &str) -> Value {
-    eventually(&format!("task {id} to be {state}"), || async {
-        let t = task(stack, id).await;
-        (t["state"] == state).then_some(t)
-    })
-    .await
-    .expect("the state comes")
 }
 
 /// A NATS planner that asks, for each step, the question its script names, then completes
@@ -110,7 +93,7 @@ async fn rounds_by_frame_rest_and_nats_and_strangers_are_refused(backend: Backen
         .as_str()
         .expect("id")
         .to_owned();
-    let waiting = in_state(&stack, "s-q", "input_required").await;
+    let waiting = stack.task_in_state("s-q", "input_required").await;
     assert_eq!(waiting["clarification"]["clarification_id"], first.as_str());
 
     // A stranger (another constellation) cannot answer.
@@ -131,7 +114,7 @@ async fn rounds_by_frame_rest_and_nats_and_strangers_are_refused(backend: Backen
         .expect("send");
     let refused = stranger.recv_type("error").await.expect("refused");
     assert_eq!(refused["metadata"]["error_code"], "FORBIDDEN", "{refused}");
-    assert_eq!(task(&stack, "s-q").await["state"], "input_required");
+    assert_eq!(stack.task("s-q").await["state"], "input_required");
 
     galaxy
         .send(&answer(galaxy_id, "s-q", &first, "report.txt"))
@@ -288,7 +271,7 @@ async fn an_unanswered_question_fails_at_its_deadline_and_ufo_clients_see_no_ext
         ))
         .await
         .expect("task");
-    let waiting = in_state(&stack, "s-late", "input_required").await;
+    let waiting = stack.task_in_state("s-late", "input_required").await;
     assert!(
         waiting["clarification"]["expires_at"].is_string(),
         "{waiting}"
@@ -314,7 +297,7 @@ async fn an_unanswered_question_fails_at_its_deadline_and_ufo_clients_see_no_ext
             .is_some_and(|e| e.contains("Are you there?") && e.contains("not answered")),
         "{end}"
     );
-    let t = task(&stack, "s-late").await;
+    let t = stack.task("s-late").await;
     assert_eq!(t["error_code"], "TASK_TIMEOUT", "{t}");
     assert!(
         t.get("clarification").is_none(),
@@ -352,7 +335,7 @@ async fn an_executor_asks_mid_command_and_gets_the_answer_by_frame(backend: Back
         "client_id": "ask-pc", "session_id": id, "request": "Overwrite the existing file?",
         "metadata": { "clarification_id": "overwrite-1", "data": { "path": "C:/a.txt" } } });
     dev.send(&question).await.expect("ask");
-    let waiting = in_state(&stack, &id, "input_required").await;
+    let waiting = stack.task_in_state(&id, "input_required").await;
     assert_eq!(
         waiting["clarification"],
         json!({ "version": 1, "task_id": id, "clarification_id": "overwrite-1",
@@ -383,7 +366,7 @@ async fn an_executor_asks_mid_command_and_gets_the_answer_by_frame(backend: Back
     dev.send(&command_results_for("ask-pc", &command))
         .await
         .expect("results");
-    let done = in_state(&stack, &id, "completed").await;
+    let done = stack.task_in_state(&id, "completed").await;
     assert!(done.get("clarification").is_none());
 
     // Without the extension, the frame is refused as UFO refuses an unknown type.

@@ -6,26 +6,9 @@ use aip_bus::Headers;
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register_with,
 };
-use aip_testkit::{
-    Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
-};
+use aip_testkit::{Backend, Client, Options, Stack, both_backends, get_json, post_json};
 use futures::StreamExt;
 use serde_json::{Value, json};
-
-async fn task(stack: &Stack, id: &str) -> Value {
-    get_json(&format!("{}/api/tasks/{id}", stack.sessions_url()))
-        .await
-        .1
-}
-
-async fn in_state(stack: &Stack, id: &str, state: &str) -> Value {
-    eventually(&format!("task {id} to be {state}"), || async {
-        let t = task(stack, id).await;
-        (t["state"] == state).then_some(t)
-    })
-    .await
-    .expect("the state comes")
-}
 
 /// A device on the stack's last gateway (the requesters use the first).
 async fn device(stack: &Stack, id: &str, capabilities: &[&str], extensions: bool) -> Client {
@@ -137,7 +120,7 @@ async fn by_capability_and_by_id_to_nobody_and_the_loop_bound(backend: Backend) 
     )
     .await;
     assert_eq!(status, 409, "already there: {same}");
-    assert_eq!(task(&stack, "s-h").await["executor_id"], "h-two");
+    assert_eq!(stack.task("s-h").await["executor_id"], "h-two");
 
     // By id, back to the first; then the bound (2) stops a third.
     let (status, back) = post_json(
@@ -253,7 +236,7 @@ async fn the_planner_and_the_executor_hand_off_and_nats_too(backend: Backend) {
     gpu.send(&command_results_for("p-gpu", &command))
         .await
         .expect("results");
-    let done = in_state(&stack, &id, "completed").await;
+    let done = stack.task_in_state(&id, "completed").await;
     assert_eq!(done["result"], json!({ "finished_on": "p-gpu" }));
     let requests: Vec<Value> = std::iter::from_fn(|| seen.try_recv().ok()).collect();
     let executors: Vec<&str> = requests
@@ -278,7 +261,7 @@ async fn the_planner_and_the_executor_hand_off_and_nats_too(backend: Backend) {
     gpu.send(&ask).await.expect("handoff frame");
     let draw = cpu.recv_type("command").await.expect("now on the cpu");
     assert_eq!(draw["actions"][0]["tool_name"], "draw");
-    let moved = task(&stack, &id).await;
+    let moved = stack.task(&id).await;
     assert_eq!(moved["executor_id"], "p-cpu", "{moved}");
 
     // Over NATS: back to the gpu.
@@ -300,7 +283,7 @@ async fn the_planner_and_the_executor_hand_off_and_nats_too(backend: Backend) {
     gpu.send(&command_results_for("p-gpu", &draw))
         .await
         .expect("results");
-    in_state(&stack, &id, "completed").await;
+    stack.task_in_state(&id, "completed").await;
 
     // A device without the extension cannot ask.
     let mut plain = device(&stack, "p-plain", &["office"], false).await;

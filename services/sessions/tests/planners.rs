@@ -10,9 +10,7 @@ use aip_sessions::settings::{LlmSettings, PlannerSettings};
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register,
 };
-use aip_testkit::{
-    Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
-};
+use aip_testkit::{Backend, Client, Options, Stack, both_backends, get_json, post_json};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
@@ -153,25 +151,6 @@ fn answering_device(mut dev: Client, id: &'static str) -> mpsc::UnboundedReceive
     rx
 }
 
-async fn task(stack: &Stack, id: &str) -> Value {
-    get_json(&format!("{}/api/tasks/{id}", stack.sessions_url()))
-        .await
-        .1
-}
-
-async fn ended(stack: &Stack, id: &str) -> Value {
-    eventually("the task to end", || async {
-        let t = task(stack, id).await;
-        matches!(
-            t["state"].as_str(),
-            Some("completed" | "failed" | "canceled" | "rejected")
-        )
-        .then_some(t)
-    })
-    .await
-    .expect("the task ends")
-}
-
 async fn events(stack: &Stack, id: &str) -> Vec<Value> {
     let (_, page) = get_json(&format!("{}/api/tasks/{id}/events", stack.sessions_url())).await;
     page["events"]
@@ -293,7 +272,7 @@ async fn llm_agent_drives_a_device_for_a_galaxy_task_without_steps(backend: Back
     assert_eq!(content["result"]["echo"]["text"], "hello");
 
     // The conversation is in the event log, and the REST view has the answer.
-    let t = task(&stack, "s-llm").await;
+    let t = stack.task("s-llm").await;
     assert_eq!(
         (t["state"].as_str(), t["result"].as_str()),
         (Some("completed"), Some("Notepad is open and shows hello.")),
@@ -377,7 +356,7 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
         ids.push(t["task_id"].as_str().expect("id").to_owned());
     }
     for ((description, code, text), id) in cases.iter().zip(&ids) {
-        let t = ended(&stack, id).await;
+        let t = stack.task_ended(id).await;
         assert_eq!(
             (t["state"].as_str(), t["error_code"].as_str()),
             (Some("failed"), Some(*code)),
@@ -405,12 +384,7 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
     let (status, t) = submit("question", Some("llm")).await;
     assert_eq!(status, 201, "{t}");
     let id = t["task_id"].as_str().expect("id").to_owned();
-    let waiting = eventually("the question", || async {
-        let t = task(&stack, &id).await;
-        (t["state"] == "input_required").then_some(t)
-    })
-    .await
-    .expect("input_required");
+    let waiting = stack.task_in_state(&id, "input_required").await;
     assert_eq!(
         waiting["clarification"]["question"],
         "Which file should I open?"
@@ -428,7 +402,7 @@ async fn llm_agent_failures_fail_the_task_with_a_clear_error(backend: Backend) {
         (200, Some("working")),
         "{going}"
     );
-    let done = ended(&stack, &id).await;
+    let done = stack.task_ended(&id).await;
     assert_eq!(
         (done["state"].as_str(), done["result"].as_str()),
         (Some("completed"), Some("Opened report.txt")),
@@ -545,7 +519,7 @@ async fn http_and_nats_planners_drive_the_same_task_to_the_same_result(backend: 
         async move {
             let (status, t) = post_json(&url, &body).await;
             assert_eq!(status, 201, "{t}");
-            ended(stack, t["task_id"].as_str().expect("id")).await
+            stack.task_ended(t["task_id"].as_str().expect("id")).await
         }
     };
 
