@@ -11,8 +11,8 @@
 mod common;
 
 use common::{
-    Proc, Seen, TempDir, aip, model_server, start_dev, start_dev_with, wait_available,
-    workspace_root,
+    Proc, Seen, TempDir, aip, model_server, start_dev, start_dev_with, start_device,
+    wait_available, workspace_root,
 };
 
 /// Whether `python3` can import `module`; if not, explains and says whether to skip.
@@ -181,22 +181,7 @@ fn python_planner_plans_a_task_over_nats() {
     planner.wait_for_stdout("the planner", |out| {
         out.contains("planner ready").then_some(())
     });
-    let mut device = Proc::aip(
-        "aip device",
-        &[
-            "device",
-            "--url",
-            &ws,
-            "--id",
-            "planned-pc",
-            "--capability",
-            "plan",
-        ],
-    );
-    device.wait_for_stdout("registration", |out| {
-        out.contains("registered as planned-pc").then_some(())
-    });
-    wait_available(&rest, "planned-pc");
+    let device = start_device(&ws, &rest, "planned-pc", "plan");
 
     let run = aip(&[
         "dispatch",
@@ -307,22 +292,7 @@ fn langgraph_planner_runs_its_tools_on_a_device_through_the_broker() {
     let base_url = model_server(seen.clone());
     let data = TempDir::new("langgraph");
     let (_dev, rest, ws) = start_dev(data.path(), &[]);
-    let mut device = Proc::aip(
-        "aip device",
-        &[
-            "device",
-            "--url",
-            &ws,
-            "--id",
-            "graph-pc",
-            "--capability",
-            "graph",
-        ],
-    );
-    device.wait_for_stdout("registration", |out| {
-        out.contains("registered as graph-pc").then_some(())
-    });
-    wait_available(&rest, "graph-pc");
+    let _device = start_device(&ws, &rest, "graph-pc", "graph");
 
     let script = example("langgraph_planner.py");
     let mut agent = Proc::spawn(

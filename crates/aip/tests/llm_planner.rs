@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Proc, Seen, TempDir, aip, model_server, start_dev, wait_available};
+use common::{Seen, TempDir, aip, model_server, start_dev, start_device};
 
 #[test]
 fn aip_dev_runs_the_built_in_agent_against_a_real_device() {
@@ -21,22 +21,7 @@ fn aip_dev_runs_the_built_in_agent_against_a_real_device() {
         "the banner names the planner:\n{}",
         dev.stdout()
     );
-    let mut device = Proc::aip(
-        "aip device",
-        &[
-            "device",
-            "--url",
-            &ws,
-            "--id",
-            "agent-pc",
-            "--capability",
-            "demo",
-        ],
-    );
-    device.wait_for_stdout("registration", |out| {
-        out.contains("registered as agent-pc").then_some(())
-    });
-    wait_available(&rest, "agent-pc");
+    let _device = start_device(&ws, &rest, "agent-pc", "demo");
 
     let run = aip(&[
         "dispatch",

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Proc, TempDir, aip, start_dev, wait_available};
+use common::{TempDir, aip, start_dev, start_device};
 
 #[test]
 fn walkthrough_survives_a_restart() {
@@ -16,22 +16,7 @@ fn walkthrough_survives_a_restart() {
         dev.stdout()
     );
 
-    let mut device = Proc::aip(
-        "aip device",
-        &[
-            "device",
-            "--url",
-            &ws,
-            "--id",
-            "demo-pc",
-            "--capability",
-            "demo",
-        ],
-    );
-    device.wait_for_stdout("registration", |out| {
-        out.contains("registered as demo-pc").then_some(())
-    });
-    wait_available(&rest, "demo-pc");
+    let mut device = start_device(&ws, &rest, "demo-pc", "demo");
 
     let run = aip(&[
         "dispatch",

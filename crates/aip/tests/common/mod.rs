@@ -298,6 +298,29 @@ pub fn start_dev_with(
     (dev, rest, ws)
 }
 
+/// `aip device --id <id> --capability <capability>` on `ws`, registered and available (as
+/// `aip agents list` on `rest` shows it).
+pub fn start_device(ws: &str, rest: &str, id: &str, capability: &str) -> Proc {
+    let mut device = Proc::aip(
+        "aip device",
+        &[
+            "device",
+            "--url",
+            ws,
+            "--id",
+            id,
+            "--capability",
+            capability,
+        ],
+    );
+    let registered = format!("registered as {id}");
+    device.wait_for_stdout("registration", |out| {
+        out.contains(&registered).then_some(())
+    });
+    wait_available(rest, id);
+    device
+}
+
 /// Waits until `aip agents list --json` shows `id` available.
 pub fn wait_available(rest: &str, id: &str) {
     let deadline = Instant::now() + WAIT;
