@@ -1333,6 +1333,17 @@ impl Machine {
         {
             self.send(&client, &server::handoff(&notification));
         }
+        // A new executor that speaks the extension gets the task's context first.
+        if agent.extensions.contains(&Extension::Handoff) {
+            let mut frame = server::handoff(&notification);
+            if let Some(metadata) = frame.metadata.as_mut() {
+                metadata.insert(
+                    "context".to_owned(),
+                    json!({ "request": task.request, "data": task.data, "results": task.history }),
+                );
+            }
+            self.send(&agent.agent_id, &frame);
+        }
         self.notify(task, seq);
         match task.plan {
             Plan::Driver => task.waiting = Waiting::Nothing,

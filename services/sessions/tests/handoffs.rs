@@ -232,6 +232,14 @@ async fn the_planner_and_the_executor_hand_off_and_nats_too(backend: Backend) {
         told["error"].as_str().is_some_and(|e| e.contains("p-gpu")),
         "{told}"
     );
+    // The gpu announced the extension: it gets the context first.
+    let context = gpu.recv_type("handoff").await.expect("the context");
+    assert_eq!(context["metadata"]["new_agent_id"], "p-gpu");
+    assert_eq!(context["metadata"]["context"]["request"], "train");
+    assert_eq!(
+        context["metadata"]["context"]["results"][0]["results"][0]["status"], "success",
+        "{context}"
+    );
     let command = gpu.recv_type("command").await.expect("on the gpu");
     gpu.send(&command_results_for("p-gpu", &command))
         .await
