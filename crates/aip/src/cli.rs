@@ -327,6 +327,43 @@ pub enum TasksCommand {
         #[command(flatten)]
         rest: RestArgs,
     },
+    /// Answer a task's open question (it waits in input_required; `aip tasks get` shows it).
+    Answer {
+        /// The task id.
+        id: String,
+        /// The answer.
+        answer: String,
+        /// The question's id (default: the task's open question).
+        #[arg(long)]
+        question: Option<String>,
+        /// Print the task as JSON.
+        #[arg(long)]
+        json: bool,
+        /// REST endpoint and key.
+        #[command(flatten)]
+        rest: RestArgs,
+    },
+    /// Hand a task to another agent: --target, or --capability (repeatable).
+    #[command(group(ArgGroup::new("to").required(true).args(["target", "capabilities"])))]
+    Handoff {
+        /// The task id.
+        id: String,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+        /// The agent to take it.
+        #[arg(long)]
+        target: Option<String>,
+        /// Otherwise, an available agent with this capability; repeatable.
+        #[arg(long = "capability", value_name = "NAME")]
+        capabilities: Vec<String>,
+        /// Print the task as JSON.
+        #[arg(long)]
+        json: bool,
+        /// REST endpoint and key.
+        #[command(flatten)]
+        rest: RestArgs,
+    },
 }
 
 /// `aip agents …`.

@@ -181,6 +181,22 @@ pub fn describe_event(event: &TaskEvent, tools: &ToolNames) -> String {
             format!("step {}: {}", step_number(&data), results.join(", "))
         }
         "planned" => describe_turn(&data),
+        "clarification_requested" => format!(
+            "asked the requester: {} (answer: aip tasks answer {} \"…\")",
+            text("question"),
+            event.task_id
+        ),
+        "clarification_answered" => format!("{} answered: {}", text("provided_by"), text("answer")),
+        "handoff_requested" => format!(
+            "handoff asked by {}: {}",
+            text("requested_by"),
+            text("reason")
+        ),
+        "handoff_accepted" => format!(
+            "handed off from {} to {}",
+            text("current_agent_id"),
+            text("new_agent_id")
+        ),
         kind if event.state.is_terminal() => match data.get("error").and_then(Value::as_str) {
             Some(error) => {
                 let code = data.get("error_code").and_then(Value::as_str);
@@ -399,6 +415,21 @@ mod tests {
             describe_event(&answer, &tools),
             r#"llm turn 2: answered "done""#
         );
+        let asked = event(
+            "clarification_requested",
+            TaskState::InputRequired,
+            json!({"clarification_id": "q", "question": "Which file?"}),
+        );
+        assert_eq!(
+            describe_event(&asked, &tools),
+            r#"asked the requester: Which file? (answer: aip tasks answer t "…")"#
+        );
+        let moved = event(
+            "handoff_accepted",
+            TaskState::Dispatched,
+            json!({"current_agent_id": "a", "new_agent_id": "b", "reason": "r"}),
+        );
+        assert_eq!(describe_event(&moved, &tools), "handed off from a to b");
         let result = json!([{"step": 0, "results": [{"status": "success", "call_id": "c1", "result": {"text": "hi"}}]}]);
         let lines = result_lines(&result, &tools);
         assert!(

@@ -173,6 +173,75 @@ pub async fn tasks(command: TasksCommand) -> anyhow::Result<()> {
                 println!("task {} {}", task.task_id, task.state.as_str());
             }
         }
+        TasksCommand::Answer {
+            id,
+            answer,
+            question,
+            json,
+            rest,
+        } => {
+            let broker = Broker::new(&rest)?;
+            let question = match question {
+                Some(question) => question,
+                None => {
+                    let task: TaskView = broker
+                        .get(&format!("/api/tasks/{}", path_segment(&id)), &[])
+                        .await?;
+                    task.clarification
+                        .map(|c| c.clarification_id)
+                        .ok_or_else(|| {
+                            anyhow::anyhow!(
+                                "task {id} has no open question (it is {})",
+                                task.state.as_str()
+                            )
+                        })?
+                }
+            };
+            let path = format!(
+                "/api/tasks/{}/clarifications/{}",
+                path_segment(&id),
+                path_segment(&question)
+            );
+            let task: TaskView = broker
+                .post(
+                    &path,
+                    &json!({ "answer": answer, "provided_by": "aip-cli" }),
+                )
+                .await?;
+            if json {
+                output::print_json(&task);
+            } else {
+                println!("task {} {}", task.task_id, task.state.as_str());
+            }
+        }
+        TasksCommand::Handoff {
+            id,
+            reason,
+            target,
+            capabilities,
+            json,
+            rest,
+        } => {
+            let broker = Broker::new(&rest)?;
+            let mut body = json!({ "reason": reason, "requested_by": "aip-cli" });
+            match target {
+                Some(target) => body["target_id"] = json!(target),
+                None => body["required_capabilities"] = json!(capabilities),
+            }
+            let task: TaskView = broker
+                .post(&format!("/api/tasks/{}/handoff", path_segment(&id)), &body)
+                .await?;
+            if json {
+                output::print_json(&task);
+            } else {
+                println!(
+                    "task {} {} on {}",
+                    task.task_id,
+                    task.state.as_str(),
+                    task.executor_id.as_deref().unwrap_or("?")
+                );
+            }
+        }
     }
     Ok(())
 }

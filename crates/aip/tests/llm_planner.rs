@@ -51,3 +51,58 @@ fn aip_dev_runs_the_built_in_agent_against_a_real_device() {
         "the device's own tools, from list_tools: {functions:?}"
     );
 }
+
+#[test]
+fn the_agents_question_is_answered_with_aip_tasks_answer() {
+    let seen = Seen::default();
+    let base_url = model_server(seen.clone());
+    let data = TempDir::new("llm-ask");
+    let (_dev, rest, ws) = start_dev(data.path(), &["--llm-base-url", &base_url]);
+    let _device = start_device(&ws, &rest, "ask-pc", "demo");
+
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--capability",
+        "demo",
+        "--no-wait",
+        "--json",
+        "open the file, ask me which",
+    ]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    let id = run.json()["task_id"].as_str().expect("id").to_owned();
+    let deadline = std::time::Instant::now() + common::WAIT;
+    let waiting = loop {
+        let task = aip(&["tasks", "get", "--rest", &rest, "--json", &id]).json();
+        if task["state"] == "input_required" {
+            break task;
+        }
+        assert!(std::time::Instant::now() < deadline, "never asked: {task}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(waiting["clarification"]["question"], "Which file?");
+    let shown = aip(&["tasks", "get", "--rest", &rest, &id]);
+    assert!(
+        shown.stdout.contains("asked the requester: Which file?"),
+        "{shown:?}"
+    );
+
+    let answered = aip(&["tasks", "answer", "--rest", &rest, &id, "report.txt"]);
+    assert_eq!(answered.code, Some(0), "{answered:?}");
+    let again = aip(&["tasks", "answer", "--rest", &rest, &id, "other.txt"]);
+    assert_ne!(again.code, Some(0), "answered once: {again:?}");
+    let deadline = std::time::Instant::now() + common::WAIT;
+    let done = loop {
+        let task = aip(&["tasks", "get", "--rest", &rest, "--json", &id]).json();
+        if task["state"] == "completed" {
+            break task;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never completed: {task}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(done["result"], "Opened report.txt");
+}

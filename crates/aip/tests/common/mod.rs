@@ -346,8 +346,9 @@ pub fn wait_available(rest: &str, id: &str) {
 /// The requests a scripted model endpoint received.
 pub type Seen = Arc<Mutex<Vec<Value>>>;
 
-/// Answers like a chat-completions endpoint: first a call of the device's `echo` tool, then,
-/// once the tool's result is in the conversation, a final answer quoting it.
+/// Answers like a chat-completions endpoint: first a call of the device's `echo` tool (or, for
+/// a request that says "ask me", of `ask_user`), then, once the call's result is in the
+/// conversation, a final answer quoting it.
 async fn complete(
     axum::extract::State(seen): axum::extract::State<Seen>,
     axum::Json(body): axum::Json<Value>,
@@ -359,7 +360,16 @@ async fn complete(
         .find(|m| m["role"] == "tool")
         .and_then(|m| m["content"].as_str())
         .and_then(|c| serde_json::from_str::<Value>(c).ok());
+    let asking = messages.iter().any(|m| {
+        m["role"] == "user" && m["content"].as_str().is_some_and(|c| c.contains("ask me"))
+    });
     let message = match echoed {
+        None if asking => json!({ "role": "assistant", "content": null, "tool_calls": [
+            { "id": "call_ask", "type": "function",
+              "function": { "name": "ask_user", "arguments": "{\"question\":\"Which file?\"}" } }
+        ] }),
+        Some(result) if asking => json!({ "role": "assistant",
+            "content": format!("Opened {}", result["result"]["answer"].as_str().unwrap_or("?")) }),
         None => json!({ "role": "assistant", "content": null, "tool_calls": [
             { "id": "call_echo", "type": "function",
               "function": { "name": "echo", "arguments": "{\"text\":\"hi from the model\"}" } }
