@@ -18,6 +18,8 @@
 #                  checking queries against DATABASE_URL at build time (set false to override)
 #   AIP_REQUIRE_PYTHON_EXAMPLES  1: the Python example tests fail without their packages
 #                  (0 lets them skip)
+#   AIP_REQUIRE_PROMTOOL  1: the metrics test fails without `promtool` (Debian's prometheus
+#                  package, installed here as root when missing); 0 lets it skip
 # Works from any directory.
 set -euo pipefail
 
@@ -60,6 +62,24 @@ if command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&
 elif [[ "$AIP_REQUIRE_PYTHON_EXAMPLES" == 1 ]]; then
   die "python3 with pip was not found; the Python example tests need it." \
     "Install python3 and pip, or set AIP_REQUIRE_PYTHON_EXAMPLES=0 to let the tests skip."
+fi
+
+step "promtool (Debian's prometheus package) for the metrics test"
+export AIP_REQUIRE_PROMTOOL="${AIP_REQUIRE_PROMTOOL:-1}"
+if ! command -v promtool >/dev/null 2>&1; then
+  if [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "promtool not found: installing Debian's prometheus package (for promtool only)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=300 update -qq ||
+      echo "test.sh: WARNING: apt-get update failed; trying the install anyway" >&2
+    apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends prometheus ||
+      [[ "$AIP_REQUIRE_PROMTOOL" != 1 ]] ||
+      die "apt-get install prometheus failed (see above)." \
+        "The metrics test needs promtool; set AIP_REQUIRE_PROMTOOL=0 to let it skip."
+  elif [[ "$AIP_REQUIRE_PROMTOOL" == 1 ]]; then
+    die "promtool was not found and cannot be installed here (needs root and apt-get)." \
+      "Install Debian's prometheus package, or set AIP_REQUIRE_PROMTOOL=0 to let the check skip."
+  fi
 fi
 
 # `--workspace` would override a package selection (-p/--package) given as an argument.

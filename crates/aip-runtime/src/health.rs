@@ -260,12 +260,15 @@ impl Probes {
         Readiness::from_checks(checks)
     }
 
-    /// `GET /healthz` and `GET /readyz` over these probes, to merge into a service's router.
+    /// `GET /healthz` and `GET /readyz` over these probes, and `GET /metrics`, to merge into a
+    /// service's router.
     pub fn routes(self) -> Router {
+        crate::metrics::install();
         Router::new()
             .route("/healthz", get(healthz))
             .route("/readyz", get(readyz))
             .with_state(self)
+            .merge(crate::metrics::routes())
     }
 }
 

@@ -16,6 +16,7 @@ pub mod api_error;
 pub mod api_keys;
 pub mod health;
 pub mod listener;
+pub mod metrics;
 pub mod runner;
 pub mod service;
 pub mod settings;

@@ -113,7 +113,11 @@ pub async fn serve(
         recent_deliveries: RecentIds::new(RECENT_DELIVERY_IDS),
         state,
     };
+    metrics::counter!("aip_gateway_connections_total").increment(1);
+    let open = metrics::gauge!("aip_gateway_connections");
+    open.increment(1.0);
     let end = client.run().await;
+    open.decrement(1.0);
     // Runs once per connection: boxed, so that the future each open connection holds does not
     // reserve room for it (memory per idle connection).
     Box::pin(client.finish(end)).await;

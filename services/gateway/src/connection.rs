@@ -148,6 +148,16 @@ impl Connection {
     /// Queues a frame for the client. A frame that cannot be serialised (a bug) is logged
     /// and not sent; the connection goes on.
     pub(crate) fn write(&self, frame: &ServerMessage) -> Result<(), WriteError> {
+        metrics::counter!("aip_gateway_frames_sent_total", "type" => frame.kind.as_str())
+            .increment(1);
+        if let Some(code) = frame
+            .metadata
+            .as_ref()
+            .and_then(|m| m.get("error_code"))
+            .and_then(serde_json::Value::as_str)
+        {
+            metrics::counter!("aip_gateway_errors_total", "code" => code.to_owned()).increment(1);
+        }
         match serde_json::to_string(frame) {
             Ok(text) => self.write_text(text),
             Err(e) => {

@@ -202,6 +202,7 @@ impl runner::Service for Application {
         _database: Option<Database>,
         listening: Listening,
     ) -> Result<Self, StartError> {
+        aip_runtime::metrics::install();
         let subjects = settings.validate()?;
         let credentials = match &settings.gateway.credentials_file {
             Some(path) => Credentials::load(path)

@@ -113,10 +113,14 @@ impl Registry {
                     };
                     self.notices.announce(&ended, REPLACED).await;
                 }
+                metrics::counter!("aip_registry_registrations_total", "outcome" => "registered")
+                    .increment(1);
                 Ok(*registered)
             }
             RegisterOutcome::Refused(refusal) => {
                 tracing::info!(%agent_id, reason = %refusal.detail, "registration refused");
+                metrics::counter!("aip_registry_registrations_total", "outcome" => "refused")
+                    .increment(1);
                 Err(refusal)
             }
         }

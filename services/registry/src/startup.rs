@@ -202,6 +202,7 @@ impl runner::Service for Application {
         database: Option<Database>,
         listening: Listening,
     ) -> Result<Self, StartError> {
+        aip_runtime::metrics::install();
         let db = runner::require_database(ServiceName::Registry, database)?;
         let subjects = settings.validate()?;
         let Settings {

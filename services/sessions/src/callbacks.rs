@@ -459,6 +459,8 @@ pub async fn run_callbacks(engine: Engine, stop: CancellationToken) {
                 let attempt = callbacks.attempt(&callback).await;
                 let now = now_ms();
                 let settled = callbacks.settle(&callback, &attempt, now);
+                metrics::counter!("aip_sessions_callback_attempts_total", "outcome" => settled.state)
+                    .increment(1);
                 match settled.state {
                     "delivered" => {}
                     "pending" => tracing::info!(

@@ -1238,7 +1238,12 @@ impl Leader<'_> {
             write_us = started.elapsed().as_micros() as u64,
             "batch written"
         );
+        metrics::histogram!("aip_sessions_group_commit_seconds")
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!("aip_sessions_group_commit_changes")
+            .record((pending.batch.tasks.len() + pending.batch.events.len()) as f64);
         if let Err(e) = written {
+            metrics::counter!("aip_sessions_group_commit_failures_total").increment(1);
             tracing::error!(
                 "a batch of changes could not be written, giving up the leadership: {e}"
             );
@@ -1250,6 +1255,7 @@ impl Leader<'_> {
             return Err(());
         }
         self.core.committed(&pending);
+        metrics::gauge!("aip_sessions_live_tasks").set(self.core.live() as f64);
         for waiter in std::mem::replace(&mut self.waiters, next_waiters) {
             waiter.succeed();
         }

@@ -88,6 +88,7 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
         .route("/openapi.json", get(move || async move { Json(document) }))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(ready))
+        .route("/metrics", get(aip_runtime::metrics::render))
         .method_not_allowed_fallback(api_error::method_not_allowed)
         .fallback(api_error::no_such_path)
         .with_state(engine)

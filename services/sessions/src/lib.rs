@@ -160,6 +160,7 @@ impl runner::Service for Application {
         database: Option<Database>,
         listening: Listening,
     ) -> Result<Self, StartError> {
+        aip_runtime::metrics::install();
         let db = runner::require_database(ServiceName::Sessions, database)?;
         let subjects = settings.validate()?;
         db.migrate().await?;

@@ -480,6 +480,8 @@ impl Machine {
             handoffs: 0,
         };
         self.applied(msg_id);
+        metrics::counter!("aip_sessions_tasks_started_total", "planner" => task.plan.kind().as_str())
+            .increment(1);
         let data = json!({
             "requester": task.requester.display(),
             "executor_id": executor.agent_id,
@@ -1317,6 +1319,7 @@ impl Machine {
             .or_default()
             .running += 1;
         task.handoffs += 1;
+        metrics::counter!("aip_sessions_handoffs_total").increment(1);
         if task.state() != TaskState::Dispatched {
             task.enter(TaskState::Dispatched)?;
         }
@@ -1438,6 +1441,7 @@ impl Machine {
     /// `clarification`); a callback when the task has one.
     fn ask(&mut self, task: &mut Task, asking: Asking) -> Result<(), Refusal> {
         task.enter(TaskState::InputRequired)?;
+        metrics::counter!("aip_sessions_clarifications_total", "event" => "asked").increment(1);
         let now = now_ms();
         let limit = self.settings.clarification_timeout_secs.max(1);
         let secs = asking.timeout_secs.unwrap_or(limit).clamp(1, limit);
@@ -1523,6 +1527,8 @@ impl Machine {
                 "provided_by": provided_by,
             });
             core.event(task, EventKind::ClarificationAnswered, Some(answered.clone()));
+            metrics::counter!("aip_sessions_clarifications_total", "event" => "answered")
+                .increment(1);
             match question.asked_by {
                 Asker::Planner { call_id } => {
                     let result = ActionResult {
@@ -1575,6 +1581,11 @@ impl Machine {
     ) -> Result<(), Refusal> {
         let was_running = task.state() != TaskState::Submitted;
         task.enter(state)?;
+        let code = error.as_ref().map_or("", |e| e.code.as_str());
+        metrics::counter!("aip_sessions_tasks_ended_total", "state" => state.as_str(), "error_code" => code)
+            .increment(1);
+        metrics::histogram!("aip_sessions_task_duration_seconds")
+            .record((now_ms() - task.created_ms).max(0) as f64 / 1000.0);
         task.result = result.clone();
         task.waiting = Waiting::Nothing;
         task.updated_ms = now_ms();

@@ -42,7 +42,10 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         }
     };
     match String::from_utf8(payload.to_vec()) {
-        Ok(text) => client.connection.write_text(text)?,
+        Ok(text) => {
+            metrics::counter!("aip_gateway_deliveries_total").increment(1);
+            client.connection.write_text(text)?
+        }
         Err(_) => {
             tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
         }

@@ -25,6 +25,8 @@ pub(crate) async fn dispatch(
 ) -> Result<(), End> {
     let admission = client.rate.admit();
     if admission != Admission::Allowed {
+        metrics::counter!("aip_gateway_frames_refused_total", "reason" => "rate_limited")
+            .increment(1);
         let limit = client.rate.per_second();
         let refusal = server::error(
             ErrorCode::RateLimited,
@@ -42,6 +44,8 @@ pub(crate) async fn dispatch(
     let frame = match frame {
         Ok(frame) => *frame,
         Err(e) => {
+            metrics::counter!("aip_gateway_frames_refused_total", "reason" => "invalid")
+                .increment(1);
             return Ok(client
                 .connection
                 .write(&server::error(e.code, e.to_string()))?);
@@ -55,6 +59,8 @@ pub(crate) async fn dispatch(
             .connection
             .write(&server::error(ErrorCode::Forbidden, mismatch.to_string()))?);
     }
+    metrics::counter!("aip_gateway_frames_received_total", "type" => frame.kind.as_str())
+        .increment(1);
     match frame.kind {
         ClientMessageType::Heartbeat => heartbeat::handle(client),
         ClientMessageType::DeviceInfoRequest => {

@@ -274,7 +274,16 @@ pub async fn run_planner(
         let engine = engine.clone();
         let planners = planners.clone();
         tokio::spawn(async move {
+            let started = std::time::Instant::now();
             let mut planned = planners.ask(&engine, &job).await;
+            let outcome = match &planned.decision {
+                Ok(_) => "answered",
+                Err(_) => "failed",
+            };
+            metrics::counter!("aip_sessions_planner_requests_total", "planner" => job.planner.as_str(), "outcome" => outcome)
+                .increment(1);
+            metrics::histogram!("aip_sessions_planner_request_seconds", "planner" => job.planner.as_str())
+                .record(started.elapsed().as_secs_f64());
             if let Ok(PlanStep::Handoff {
                 target_id,
                 required_capabilities,
