@@ -221,3 +221,75 @@ fn dispatch_says_when_the_broker_is_not_running() {
     ]);
     assert_eq!(run.code, Some(2), "usage error: {run:?}");
 }
+
+/// `aip tasks handoff`: a task stuck on a slow device moves to another one and completes there.
+#[test]
+fn a_task_is_handed_off_from_the_command_line() {
+    let data = TempDir::new("handoff");
+    let (_dev, rest, ws) = start_dev(data.path(), &[]);
+    let _slow = start_device(&ws, &rest, "slow-pc", "render");
+    let _fast = start_device(&ws, &rest, "fast-pc", "gpu");
+
+    let run = aip(&[
+        "dispatch",
+        "--rest",
+        &rest,
+        "--target",
+        "slow-pc",
+        "--tool",
+        "sleep",
+        "--args",
+        r#"{"seconds":20}"#,
+        "--no-wait",
+        "--json",
+        "render",
+    ]);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    let id = run.json()["task_id"].as_str().expect("id").to_owned();
+
+    let moved = aip(&[
+        "tasks",
+        "handoff",
+        "--rest",
+        &rest,
+        &id,
+        "--capability",
+        "gpu",
+        "--reason",
+        "too slow",
+    ]);
+    assert_eq!(moved.code, Some(0), "{moved:?}");
+    assert!(moved.stdout.contains("on fast-pc"), "{moved:?}");
+    let nobody = aip(&[
+        "tasks",
+        "handoff",
+        "--rest",
+        &rest,
+        &id,
+        "--capability",
+        "quantum",
+        "--reason",
+        "x",
+    ]);
+    assert_ne!(nobody.code, Some(0), "{nobody:?}");
+    assert!(nobody.stderr.contains("CAPABILITY_MISMATCH"), "{nobody:?}");
+
+    // The step runs again on the fast device (20 s of sleep there too would be slow: the
+    // task is checked for the move, then canceled).
+    let deadline = std::time::Instant::now() + common::WAIT;
+    loop {
+        let task = aip(&["tasks", "get", "--rest", &rest, "--json", &id]).json();
+        if task["executor_id"] == "fast-pc" && task["state"] == "working" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never moved: {task}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let shown = aip(&["tasks", "get", "--rest", &rest, &id]);
+    assert!(
+        shown.stdout.contains("handed off from slow-pc to fast-pc"),
+        "{shown:?}"
+    );
+    let canceled = aip(&["tasks", "cancel", "--rest", &rest, &id]);
+    assert_eq!(canceled.code, Some(0), "{canceled:?}");
+}
