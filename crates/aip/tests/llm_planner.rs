@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Seen, TempDir, aip, model_server, start_dev, start_device};
+use common::{Seen, TempDir, aip, model_server, start_dev, start_device, task_until};
 
 #[test]
 fn aip_dev_runs_the_built_in_agent_against_a_real_device() {
@@ -72,15 +72,7 @@ fn the_agents_question_is_answered_with_aip_tasks_answer() {
     ]);
     assert_eq!(run.code, Some(0), "{run:?}");
     let id = run.json()["task_id"].as_str().expect("id").to_owned();
-    let deadline = std::time::Instant::now() + common::WAIT;
-    let waiting = loop {
-        let task = aip(&["tasks", "get", "--rest", &rest, "--json", &id]).json();
-        if task["state"] == "input_required" {
-            break task;
-        }
-        assert!(std::time::Instant::now() < deadline, "never asked: {task}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+    let waiting = task_until(&rest, &id, "asked", |t| t["state"] == "input_required");
     assert_eq!(waiting["clarification"]["question"], "Which file?");
     let shown = aip(&["tasks", "get", "--rest", &rest, &id]);
     assert!(
@@ -92,17 +84,6 @@ fn the_agents_question_is_answered_with_aip_tasks_answer() {
     assert_eq!(answered.code, Some(0), "{answered:?}");
     let again = aip(&["tasks", "answer", "--rest", &rest, &id, "other.txt"]);
     assert_ne!(again.code, Some(0), "answered once: {again:?}");
-    let deadline = std::time::Instant::now() + common::WAIT;
-    let done = loop {
-        let task = aip(&["tasks", "get", "--rest", &rest, "--json", &id]).json();
-        if task["state"] == "completed" {
-            break task;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never completed: {task}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    };
+    let done = task_until(&rest, &id, "completed", |t| t["state"] == "completed");
     assert_eq!(done["result"], "Opened report.txt");
 }

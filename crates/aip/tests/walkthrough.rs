@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{TempDir, aip, start_dev, start_device};
+use common::{TempDir, aip, start_dev, start_device, task_until};
 
 #[test]
 fn walkthrough_survives_a_restart() {
@@ -276,15 +276,9 @@ fn a_task_is_handed_off_from_the_command_line() {
 
     // The step runs again on the fast device (20 s of sleep there too would be slow: the
     // task is checked for the move, then canceled).
-    let deadline = std::time::Instant::now() + common::WAIT;
-    loop {
-        let task = aip(&["tasks", "get", "--rest", &rest, "--json", &id]).json();
-        if task["executor_id"] == "fast-pc" && task["state"] == "working" {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "never moved: {task}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    task_until(&rest, &id, "moved", |t| {
+        t["executor_id"] == "fast-pc" && t["state"] == "working"
+    });
     let shown = aip(&["tasks", "get", "--rest", &rest, &id]);
     assert!(
         shown.stdout.contains("handed off from slow-pc to fast-pc"),

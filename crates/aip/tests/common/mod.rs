@@ -321,6 +321,19 @@ pub fn start_device(ws: &str, rest: &str, id: &str, capability: &str) -> Proc {
     device
 }
 
+/// Waits until `aip tasks get --json <id>` shows the task as `done` says; returns it.
+pub fn task_until(rest: &str, id: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let task = aip(&["tasks", "get", "--rest", rest, "--json", id]).json();
+        if done(&task) {
+            return task;
+        }
+        assert!(Instant::now() < deadline, "task {id} never {what}: {task}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Waits until `aip agents list --json` shows `id` available.
 pub fn wait_available(rest: &str, id: &str) {
     let deadline = Instant::now() + WAIT;
