@@ -3,18 +3,22 @@
 //! delivery log over REST, 410, dead letters and redelivery, refused private URLs, and a
 //! callback that survives `kill -9` of the session service; on both backends.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aip_testkit::frames::{command_results_for, device_register};
 use aip_testkit::{
-    Backend, Client, Options, Stack, both_backends, eventually, get_json, nats_url, post_json,
+    Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
 };
+
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use serde_json::{Value, json};
+
+mod common;
+use common::{free_port, start_sessions};
 
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 /// A second secret: the broker signs with both, as while rotating keys.
@@ -406,34 +410,14 @@ async fn private_callback_urls_are_refused_by_default(backend: Backend) {
 }
 both_backends!(private_callback_urls_are_refused_by_default);
 
-/// Kills the process when the test ends, however it ends.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_sessions(stack: &Stack, port: u16) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_aip-sessions"))
-        .env("AIP_NATS_URL", nats_url())
-        .env("AIP_DATABASE_URL", &stack.database_url)
-        .env("AIP_SUBJECT_PREFIX", &stack.prefix)
-        .env("AIP_SESSIONS__LISTEN", format!("127.0.0.1:{port}"))
-        .env("AIP_SESSIONS__CALLBACK_ALLOW_PRIVATE", "true")
-        .env("AIP_SESSIONS__CALLBACK_SECRET", SECRET)
-        .env("AIP_SESSIONS__CALLBACK_BACKOFF_MS", "300")
-        .env("AIP_SESSIONS__CALLBACK_MAX_BACKOFF_MS", "300")
-        .env("AIP_SESSIONS__CALLBACK_MAX_ATTEMPTS", "100")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start aip-sessions");
-    Process(child)
-}
+/// What the killed process is started with: callbacks to the loopback receiver, quickly.
+const CALLBACK_ENV: &[(&str, &str)] = &[
+    ("AIP_SESSIONS__CALLBACK_ALLOW_PRIVATE", "true"),
+    ("AIP_SESSIONS__CALLBACK_SECRET", SECRET),
+    ("AIP_SESSIONS__CALLBACK_BACKOFF_MS", "300"),
+    ("AIP_SESSIONS__CALLBACK_MAX_BACKOFF_MS", "300"),
+    ("AIP_SESSIONS__CALLBACK_MAX_ATTEMPTS", "100"),
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
@@ -459,10 +443,7 @@ async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
         })
     };
     let (url, got) = receiver(plan).await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port");
+    let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let ready = || async {
         reqwest::get(format!("{base}/readyz"))
@@ -470,7 +451,7 @@ async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
             .ok()
             .filter(|r| r.status().is_success())
     };
-    let mut sessions = start_sessions(&stack, port);
+    let mut sessions = start_sessions(&stack, port, CALLBACK_ENV);
     eventually("the session service", ready)
         .await
         .expect("ready");
@@ -498,7 +479,7 @@ async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
     let _ = sessions.0.wait();
     accept.store(true, std::sync::atomic::Ordering::SeqCst);
     let refused_before = got.lock().expect("lock").len();
-    let _restarted = start_sessions(&stack, port);
+    let _restarted = start_sessions(&stack, port, CALLBACK_ENV);
     eventually("the session service again", ready)
         .await
         .expect("ready");

@@ -3,47 +3,19 @@
 //! as a real process (the `aip-sessions` binary) on the machine's NATS and PostgreSQL.
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aip_testkit::frames::{command_results_for, device_register};
-use aip_testkit::{Backend, Client, Options, Stack, nats_url};
+use aip_testkit::{Backend, Client, Options, Stack};
+
 use serde_json::{Value, json};
+
+mod common;
+use common::{free_port, start_sessions};
 
 const TASKS: usize = 20;
 const STEPS: usize = 4;
-
-/// Kills the process when the test ends, however it ends.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn start_sessions(stack: &Stack, port: u16) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_aip-sessions"))
-        .env("AIP_NATS_URL", nats_url())
-        .env("AIP_DATABASE_URL", &stack.database_url)
-        .env("AIP_SUBJECT_PREFIX", &stack.prefix)
-        .env("AIP_SESSIONS__LISTEN", format!("127.0.0.1:{port}"))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start aip-sessions");
-    Process(child)
-}
 
 async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
 where
@@ -80,7 +52,7 @@ async fn kill_9_mid_flight_loses_nothing_and_runs_nothing_twice() {
     .expect("stack");
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let mut sessions = start_sessions(&stack, port);
+    let mut sessions = start_sessions(&stack, port, &[]);
     wait_for("the session service", Duration::from_secs(30), || async {
         reqwest::get(format!("{base}/readyz"))
             .await
@@ -170,7 +142,7 @@ async fn kill_9_mid_flight_loses_nothing_and_runs_nothing_twice() {
         "the kill came too late to test anything ({at_kill} commands ran)"
     );
 
-    let _restarted = start_sessions(&stack, port);
+    let _restarted = start_sessions(&stack, port, &[]);
     for id in &ids {
         let task = wait_for(
             &format!("task {id} to complete"),

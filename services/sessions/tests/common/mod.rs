@@ -1,0 +1,42 @@
+//! The session service as a real process (the `aip-sessions` binary) on a test stack's NATS
+//! and database, for tests that kill it.
+
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Stdio};
+
+use aip_testkit::{Stack, nats_url};
+
+/// Kills the process when the test ends, however it ends.
+pub struct Process(pub Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Starts `aip-sessions` for `stack` on `port`, with `envs` added to its environment.
+pub fn start_sessions(stack: &Stack, port: u16, envs: &[(&str, &str)]) -> Process {
+    let child = Command::new(env!("CARGO_BIN_EXE_aip-sessions"))
+        .env("AIP_NATS_URL", nats_url())
+        .env("AIP_DATABASE_URL", &stack.database_url)
+        .env("AIP_SUBJECT_PREFIX", &stack.prefix)
+        .env("AIP_SESSIONS__LISTEN", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "warn")
+        .envs(envs.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start aip-sessions");
+    Process(child)
+}
