@@ -833,7 +833,13 @@ impl Machine {
                 {
                     return Ok(());
                 }
-                let prepared = task.start.map_err(Refusal::Now)?;
+                // Unless applied before: a frame whose group was written although the write
+                // reported an error (the database went away after committing) comes back,
+                // and its task already runs; a refusal (say, the registry is down now)
+                // would contradict it.
+                let prepared = task
+                    .start
+                    .map_err(|body| Refusal::UnlessSeen(body, msg_id.to_owned()))?;
                 self.submit(prepared, Some(msg_id)).map(|_| ())
             }
             ClientMessageType::CommandResults => self.results(inbound, msg_id),
