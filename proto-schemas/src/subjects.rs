@@ -154,7 +154,10 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             takes over its own stale registration). A frame from the session service's outbox carries \
             `Nats-Msg-Id` and `Aip-Ack: <subject>`: the gateway answers on that subject once it wrote \
             the frame (a copy it already wrote is dropped and answered again), and the session \
-            service sends the frame again until it hears so. A request with header \
+            service sends the frame again until it hears so. A frame for a task's executor also \
+            carries `Aip-Connection: <connection id>`, the connection the task is bound to: \
+            another connection of the client drops it (and answers), so a command sent again \
+            after a gateway's crash never runs twice. A request with header \
             `Aip-Control: device-info` (empty payload) is answered by the gateway holding a device, \
             for a constellation on another gateway: the device's registered system information as \
             JSON, or `Aip-Error-Code: DEVICE_NOT_FOUND` with the reason as text; nothing reaches \

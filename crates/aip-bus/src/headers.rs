@@ -17,7 +17,8 @@ pub mod names {
     /// with [`ERROR_CODE`] `DEVICE_NOT_FOUND` and the reason as the payload. Nothing reaches
     /// the device.
     pub const DEVICE_INFO: &str = "device-info";
-    /// The connection a control instruction is about.
+    /// The connection a control instruction is about; on a frame for a client, the one
+    /// connection of it that may receive the frame (another connection drops it).
     pub const CONNECTION: &str = "Aip-Connection";
     /// On a frame for a client: the subject its gateway answers once the frame is written to
     /// the client's socket (the frame's `Nats-Msg-Id` as the payload). The sender keeps the

@@ -69,7 +69,7 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
     (
         "aip_gateway_deliveries_total",
         Kind::Counter,
-        "Frames from the session service written to clients.",
+        "Frames from the session service for clients, by `outcome` (written; duplicate and other_connection: dropped).",
     ),
     (
         "aip_registry_registrations_total",

@@ -812,7 +812,7 @@ impl Engine {
             let publish = self.blobs.publish(
                 self.bus.as_ref(),
                 frame.subject.clone(),
-                delivery_headers(&frame.msg_id, &ack_subject),
+                delivery_headers(&frame.msg_id, &ack_subject, frame.connection.as_deref()),
                 frame.payload.into(),
             );
             if let Err(e) = publish.await {
@@ -1366,12 +1366,16 @@ async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Vec<OutFrame>
 }
 
 /// Headers of a frame from the outbox: its message id, so that a frame sent again is
-/// recognised (and dropped) by the gateway that already wrote it to the client, and where that
-/// gateway acknowledges it.
-pub fn delivery_headers(msg_id: &str, ack_subject: &str) -> Headers {
-    Headers::new()
+/// recognised (and dropped) by the gateway that already wrote it to the client; where that
+/// gateway acknowledges it; and the one connection that may receive it, if only one may.
+pub fn delivery_headers(msg_id: &str, ack_subject: &str, connection: Option<&str>) -> Headers {
+    let headers = Headers::new()
         .with(aip_bus::names::MSG_ID, msg_id.to_owned())
-        .with(aip_bus::names::ACK, ack_subject.to_owned())
+        .with(aip_bus::names::ACK, ack_subject.to_owned());
+    match connection {
+        Some(connection) => headers.with(aip_bus::names::CONNECTION, connection.to_owned()),
+        None => headers,
+    }
 }
 
 /// UFO's rule for task names from WebSocket frames: every character outside `[A-Za-z0-9._-]`

@@ -333,13 +333,28 @@ impl Machine {
         }
     }
 
+    /// Queues a frame for the outbox, for whichever connection `client_id` has when it is
+    /// delivered (a requester's `task_end` still reaches a client that connected again).
+    fn send(&mut self, client_id: &str, frame: &ServerMessage) {
+        self.send_on(client_id, None, frame);
+    }
+
+    /// Queues a frame for the executor, for the connection its task is bound to only: a
+    /// command sent again after a gateway's crash must not reach the device's next
+    /// connection, which would run it twice (the task fails when the bound connection's end
+    /// is announced).
+    fn send_to_executor(&mut self, executor: &ExecutorRef, frame: &ServerMessage) {
+        self.send_on(&executor.id, executor.connection.as_deref(), frame);
+    }
+
     /// Queues a frame for the outbox. A frame that cannot be encoded is logged and not
     /// sent (an empty payload would reach the client as garbage).
-    fn send(&mut self, client_id: &str, frame: &ServerMessage) {
+    fn send_on(&mut self, client_id: &str, connection: Option<&str>, frame: &ServerMessage) {
         match serde_json::to_vec(frame) {
             Ok(payload) => self.pending.batch.outbox.push(OutFrame {
                 msg_id: server::new_id(),
                 subject: self.subjects.deliver(client_id),
+                connection: connection.map(str::to_owned),
                 payload,
             }),
             Err(e) => tracing::error!(
@@ -576,18 +591,17 @@ impl Machine {
     fn dispatch(&mut self, task: &mut Task) -> Result<(), Refusal> {
         task.enter(TaskState::Dispatched)?;
         task.updated_ms = now_ms();
-        let executor = task.executor.id.clone();
         if task.ufo_dispatch {
             task.waiting = Waiting::Echo;
             let frame = server::dispatch_task(&task.request, &task.task_name, &task.task_id);
-            self.send(&executor, &frame);
+            self.send_to_executor(&task.executor, &frame);
         } else if task.plan != Plan::Driver {
             task.waiting = Waiting::Plan;
         }
         self.event(
             task,
             EventKind::Dispatched,
-            Some(json!({ "executor_id": executor })),
+            Some(json!({ "executor_id": task.executor.id })),
         );
         if task.waiting == Waiting::Plan {
             self.plan(task)?;
@@ -748,7 +762,6 @@ impl Machine {
         step: CommandStep,
     ) -> Result<(String, i64), Refusal> {
         task.enter(TaskState::Working)?;
-        let executor = task.executor.id.clone();
         let target = CommandTarget {
             session_id: task.task_id.clone(),
             task_name: Some(task.task_name.clone()),
@@ -776,7 +789,7 @@ impl Machine {
         let data =
             json!({ "step": task.step, "response_id": response_id, "actions": frame.actions });
         let seq = self.event(task, EventKind::CommandSent, Some(data));
-        self.send(&executor, &frame);
+        self.send_to_executor(&task.executor, &frame);
         Ok((response_id, seq))
     }
 
@@ -1284,7 +1297,8 @@ impl Machine {
             EventKind::HandoffRequested,
             Some(json!({ "to": to, "reason": ask.reason, "requested_by": ask.by })),
         );
-        let old = task.executor.id.clone();
+        let old_executor = task.executor.clone();
+        let old = old_executor.id.clone();
         let notification = HandoffNotification {
             version: V1,
             task_id: task.task_id.clone(),
@@ -1308,7 +1322,7 @@ impl Machine {
                 )),
                 &server::new_id(),
             );
-            self.send(&old, &frame);
+            self.send_to_executor(&old_executor, &frame);
         }
         // The new one takes it.
         task.executor = ExecutorRef {
@@ -1351,7 +1365,7 @@ impl Machine {
                     json!({ "request": task.request, "data": task.data, "results": task.history }),
                 );
             }
-            self.send(&agent.agent_id, &frame);
+            self.send_to_executor(&task.executor, &frame);
         }
         self.notify(task, seq);
         match task.plan {
@@ -1567,7 +1581,12 @@ impl Machine {
                         data: answer.data,
                         provided_by,
                     };
-                    core.send(&id, &server::clarification_response(&response));
+                    let frame = server::clarification_response(&response);
+                    if id == task.executor.id {
+                        core.send_to_executor(&task.executor, &frame);
+                    } else {
+                        core.send(&id, &frame);
+                    }
                 }
             }
             Ok(task.clone())
@@ -1627,7 +1646,7 @@ impl Machine {
         let executor = task.executor.id.clone();
         self.unindex_client(&executor, &task.task_id);
         if was_running && requester_client.as_deref() != Some(executor.as_str()) {
-            self.send(&executor, &frame);
+            self.send_to_executor(&task.executor, &frame);
         }
         self.let_go(&executor, task, was_running);
         self.release(&executor);

@@ -394,7 +394,13 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
     .join(", ");
     let processed = param("text[]");
     let now = param("int8");
-    let outbox = [param("text[]"), param("text[]"), param("bytea[]")].join(", ");
+    let outbox = [
+        param("text[]"),
+        param("text[]"),
+        param("text[]"),
+        param("bytea[]"),
+    ]
+    .join(", ");
     let published = param("text[]");
     let prune_before = param("int8");
     let callbacks = [
@@ -422,9 +428,10 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
              SELECT id, {now} FROM UNNEST({processed}) AS u(id) WHERE {leading} \
              ON CONFLICT (msg_id) DO NOTHING), \
          written_outbox AS (\
-             INSERT INTO task_outbox (msg_id, subject, payload, created_ms) \
-             SELECT msg_id, subject, payload, {now} \
-             FROM UNNEST({outbox}) AS u(msg_id, subject, payload) WHERE {leading}), \
+             INSERT INTO task_outbox (msg_id, subject, connection_id, payload, created_ms) \
+             SELECT msg_id, subject, connection_id, payload, {now} \
+             FROM UNNEST({outbox}) AS u(msg_id, subject, connection_id, payload) \
+             WHERE {leading}), \
          deleted_outbox AS (\
              DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
          pruned AS (\
@@ -482,7 +489,7 @@ static TASK_OWNER: Sql = Sql::same("SELECT requester_id FROM tasks WHERE task_id
 /// Reads the id back, a text on both databases (`SELECT 1` is INT4 on PostgreSQL).
 static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE msg_id = $1");
 static STALE_OUTBOX: Sql = Sql::same(
-    "SELECT msg_id, subject, payload FROM task_outbox WHERE created_ms < $1 \
+    "SELECT msg_id, subject, connection_id, payload FROM task_outbox WHERE created_ms < $1 \
      ORDER BY created_ms LIMIT $2",
 );
 
@@ -709,6 +716,9 @@ pub struct OutFrame {
     pub msg_id: String,
     /// Subject to publish on.
     pub subject: String,
+    /// The one connection of the client that may receive it (an executor's frames go to the
+    /// connection its task is bound to); `None`: whichever connection the client has.
+    pub connection: Option<String>,
     pub payload: Vec<u8>,
 }
 
@@ -940,11 +950,12 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
     }
     for rows in sized_chunks(&batch.outbox) {
         let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-            "INSERT INTO task_outbox (msg_id, subject, payload, created_ms) ",
+            "INSERT INTO task_outbox (msg_id, subject, connection_id, payload, created_ms) ",
         );
         q.push_values(rows, |mut b, f| {
             b.push_bind(f.msg_id.clone())
                 .push_bind(f.subject.clone())
+                .push_bind(f.connection.clone())
                 .push_bind(f.payload.clone())
                 .push_bind(now);
         });
@@ -1072,6 +1083,11 @@ async fn write_pg(
         .bind(now_ms())
         .bind(o.iter().map(|f| f.msg_id.as_str()).collect::<Vec<_>>())
         .bind(o.iter().map(|f| f.subject.as_str()).collect::<Vec<_>>())
+        .bind(
+            o.iter()
+                .map(|f| f.connection.as_deref())
+                .collect::<Vec<_>>(),
+        )
         .bind(o.iter().map(|f| f.payload.as_ref()).collect::<Vec<&[u8]>>())
         .bind(&batch.published)
         .bind(batch.prune_processed_before)
@@ -1364,7 +1380,7 @@ impl TaskStore {
         older_than: i64,
         limit: i64,
     ) -> Result<Vec<OutFrame>, StoreError> {
-        let rows: Vec<(String, String, Vec<u8>)> = self
+        let rows: Vec<(String, String, Option<String>, Vec<u8>)> = self
             .db
             .query(&STALE_OUTBOX)
             .bind(older_than)
@@ -1373,9 +1389,10 @@ impl TaskStore {
             .await?;
         Ok(rows
             .into_iter()
-            .map(|(msg_id, subject, payload)| OutFrame {
+            .map(|(msg_id, subject, connection, payload)| OutFrame {
                 msg_id,
                 subject,
+                connection,
                 payload,
             })
             .collect())

@@ -304,3 +304,82 @@ async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(back
 }
 
 both_backends!(a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it);
+
+/// A command for a connection that died with its gateway (never acknowledged, so it is sent
+/// again) must not reach the device's next connection, where it would run a second time for a
+/// task that has failed: the fault harness's `gateway-kill-new-id` found one. The command names
+/// its connection; the gateway holding the new one drops it and acknowledges it, and new
+/// commands reach the new connection.
+async fn a_command_for_a_dead_connection_never_reaches_the_next_one(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            liveness_ms: 2_000,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    // The device's first connection, on a gateway killed with `kill -9`.
+    registry_of(&stack)
+        .register(&device("dev", "gw-killed", "killed:1", "anonymous"))
+        .await
+        .expect("registered");
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    let mut deliveries = stack
+        .bus
+        .subscribe(subjects.deliver("dev"))
+        .await
+        .expect("subscribe");
+    let body = json!({ "version": 1, "description": "echo", "originating_agent_id": "ops",
+        "target_id": "dev",
+        "steps": [[{ "tool_name": "echo", "tool_type": "action", "parameters": {} }]] });
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+    let old = task["task_id"].as_str().expect("an id").to_owned();
+    let first = within(Duration::from_secs(10), "the command", deliveries.next())
+        .await
+        .expect("subscribed");
+    assert_eq!(
+        first.headers.get(names::CONNECTION),
+        Some("killed:1"),
+        "the command names the connection its task is bound to"
+    );
+    let msg_id = first.headers.get(names::MSG_ID).expect("an id").to_owned();
+    let ack_to = first
+        .headers
+        .get(names::ACK)
+        .expect("where to ack")
+        .to_owned();
+
+    // The old connection's liveness runs out: the task fails.
+    let ended = stack.task_ended(&old).await;
+    assert_eq!(ended["error_code"], "CONNECTION_FAILED", "{ended}");
+
+    // The device connects again through a live gateway. The unacknowledged command keeps
+    // coming; that gateway drops it and says so.
+    let mut acks = stack.bus.subscribe(ack_to).await.expect("subscribe");
+    let mut device = aip_testkit::Client::registered(
+        &stack.ws_url(0),
+        aip_testkit::frames::device_register("dev", "linux"),
+    )
+    .await;
+    within(Duration::from_secs(20), "the copy acknowledged", async {
+        while let Some(ack) = acks.next().await {
+            let ack: DeliveryAck = serde_json::from_slice(&ack.payload).expect("an ack");
+            if ack.msg_ids.contains(&msg_id) {
+                return;
+            }
+        }
+    })
+    .await;
+
+    // A new task's command is the first command the device sees.
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+    let command = device.recv_type("command").await.expect("a command");
+    assert_eq!(command["session_id"], task["task_id"], "{command}");
+    stack.stop().await;
+}
+
+both_backends!(a_command_for_a_dead_connection_never_reaches_the_next_one);

@@ -126,7 +126,11 @@ async fn every_service_reports_what_a_task_did(backend: Backend) {
             &["type=\"command_results\""][..],
             &gateway,
         ),
-        ("aip_gateway_deliveries_total", &[][..], &gateway),
+        (
+            "aip_gateway_deliveries_total",
+            &["outcome=\"written\""][..],
+            &gateway,
+        ),
         ("aip_gateway_connections_total", &[][..], &gateway),
     ] {
         let value = sample(text, name, labels)

@@ -24,10 +24,27 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         answer_device_info(client, &message).await;
         return Ok(());
     }
+    // A frame for one connection of this client (an executor's command, bound to the
+    // connection its task was placed on) that reaches another one, the client's next
+    // connection after a crash, is not written: it would run a command twice. Acknowledged,
+    // since no connection can take it any more.
+    if let Some(connection) = message.headers.get(names::CONNECTION)
+        && connection != client.connection_id
+    {
+        tracing::debug!(
+            connection,
+            "a frame for an earlier connection of this client dropped"
+        );
+        metrics::counter!("aip_gateway_deliveries_total", "outcome" => "other_connection")
+            .increment(1);
+        acknowledge(client, &message).await;
+        return Ok(());
+    }
     if let Some(id) = message.headers.get(names::MSG_ID)
         && !client.recent_deliveries.first_time(id)
     {
         tracing::debug!(id, "duplicate delivery dropped");
+        metrics::counter!("aip_gateway_deliveries_total", "outcome" => "duplicate").increment(1);
         acknowledge(client, &message).await;
         return Ok(());
     }
@@ -43,7 +60,7 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
     };
     match String::from_utf8(payload.to_vec()) {
         Ok(text) => {
-            metrics::counter!("aip_gateway_deliveries_total").increment(1);
+            metrics::counter!("aip_gateway_deliveries_total", "outcome" => "written").increment(1);
             client.connection.write_text(text)?
         }
         Err(_) => {
