@@ -464,10 +464,50 @@ impl Subjects {
     pub fn documented(&self, spec: &SubjectSpec) -> String {
         self.join(spec.template)
     }
+
+    /// `subject` with its id token as a placeholder (`aip.frames.dev1` → `aip.frames.{client}`),
+    /// as messaging spans are named; a subject without an id comes back as it is.
+    pub fn template(&self, subject: &str) -> String {
+        let Some(rest) = subject
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|r| r.strip_prefix('.'))
+        else {
+            return subject.to_owned();
+        };
+        for (family, placeholder) in [
+            ("frames.", "{client}"),
+            ("deliver.", "{client}"),
+            ("presence.", "{gateway}"),
+            ("sessions.acks.", "{replica}"),
+        ] {
+            if rest.starts_with(family) {
+                return self.join(&format!("{family}{placeholder}"));
+            }
+        }
+        subject.to_owned()
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn templates_hide_ids_only() {
+        let subjects = super::Subjects::new("t1.aip").expect("prefix");
+        assert_eq!(
+            subjects.template(&subjects.frames("dev 1")),
+            "t1.aip.frames.{client}"
+        );
+        assert_eq!(
+            subjects.template(&subjects.deliver("g@dev")),
+            "t1.aip.deliver.{client}"
+        );
+        assert_eq!(
+            subjects.template(&subjects.registry_get_many()),
+            "t1.aip.registry.get_many"
+        );
+        assert_eq!(subjects.template("other.frames.x"), "other.frames.x");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -18,6 +18,7 @@ mod headers;
 mod local;
 mod nats;
 pub mod registry;
+pub mod trace;
 
 use std::time::Duration;
 

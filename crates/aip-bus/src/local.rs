@@ -243,6 +243,7 @@ impl Bus for LocalBus {
         headers: Headers,
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
+        let headers = crate::trace::with_current(headers);
         self.deliver(Message {
             subject,
             reply: None,
@@ -259,6 +260,7 @@ impl Bus for LocalBus {
         payload: Bytes,
         timeout: Duration,
     ) -> BoxFuture<'_, Result<Message, BusError>> {
+        let headers = crate::trace::with_current(headers);
         async move {
             let inbox = format!("_INBOX.{}", uuid::Uuid::new_v4().simple());
             let mut replies = self.add(inbox.clone(), None);
@@ -320,6 +322,7 @@ impl Bus for LocalBus {
         headers: Headers,
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
+        let headers = crate::trace::with_current(headers);
         let stream = read(&self.inner.streams)
             .values()
             .find(|s| s.subjects.iter().any(|p| subject_matches(p, &subject)))

@@ -100,6 +100,7 @@ impl Bus for NatsBus {
         headers: Headers,
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
+        let headers = crate::trace::with_current(headers);
         async move {
             self.check_size(&payload)?;
             let result = if headers.is_empty() {
@@ -125,6 +126,7 @@ impl Bus for NatsBus {
         payload: Bytes,
         timeout: Duration,
     ) -> BoxFuture<'_, Result<Message, BusError>> {
+        let headers = crate::trace::with_current(headers);
         async move {
             let request = async_nats::Request::new()
                 .payload(payload)
@@ -228,6 +230,7 @@ impl Bus for NatsBus {
         headers: Headers,
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
+        let headers = crate::trace::with_current(headers);
         async move {
             self.check_size(&payload)?;
             let ack = self

@@ -14,6 +14,7 @@ use proto_schemas::registry::{
 use proto_schemas::{ErrorBody, ErrorCode, Subjects, V1};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tracing::Instrument;
 
 use crate::{BusError, Headers, SharedBus};
 
@@ -150,14 +151,22 @@ impl RegistryClient {
             tracing::error!(%subject, "registry request not serialisable: {e}");
             RegistryError::Encode(e)
         })?;
-        let reply = self
-            .bus
-            .request(subject, Headers::new(), payload.into(), self.timeout)
-            .await
-            .map_err(|e| match e {
-                BusError::NoResponders { .. } => RegistryError::NotRunning,
-                other => RegistryError::Unanswered(other),
-            })?;
+        let span = crate::trace::messaging_span(
+            crate::trace::Operation::Request,
+            &subject,
+            &subject,
+            None,
+        );
+        // Called inside the span, so the request carries the span's context.
+        let request = async {
+            self.bus
+                .request(subject, Headers::new(), payload.into(), self.timeout)
+                .await
+        };
+        let reply = request.instrument(span).await.map_err(|e| match e {
+            BusError::NoResponders { .. } => RegistryError::NotRunning,
+            other => RegistryError::Unanswered(other),
+        })?;
         let reply: Reply<Rep> =
             serde_json::from_slice(&reply.payload).map_err(RegistryError::InvalidReply)?;
         reply.into_result().map_err(RegistryError::Refused)

@@ -89,7 +89,15 @@ pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
     let service = <S::Settings as ServiceSettings>::SERVICE;
     let settings: S::Settings = crate::settings::load(config).context("loading settings")?;
     let common = settings.common();
-    crate::telemetry::init(common.log_format, "info");
+    let telemetry = crate::telemetry::init_with(
+        common.log_format,
+        "info",
+        crate::telemetry::Traces::FromEnvironment,
+        service.binary(),
+    );
+    if telemetry.exporting() {
+        tracing::info!("traces are exported over OTLP");
+    }
     settings.validate().context("checking settings")?;
 
     let bus = NatsBus::connect(common.nats_url, service.binary()).await?;
@@ -104,6 +112,7 @@ pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
     if let Some(database) = database {
         database.close().await;
     }
+    telemetry.shutdown().await;
     result.with_context(|| format!("the {service} failed"))?;
     tracing::info!("{service} stopped");
     Ok(())

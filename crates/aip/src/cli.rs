@@ -111,6 +111,10 @@ pub struct DevArgs {
     /// The model the built-in agent asks.
     #[arg(long, value_name = "NAME", env = "AIP_LLM_MODEL")]
     pub llm_model: Option<String>,
+    /// Export traces over OTLP (gRPC) to OTEL_EXPORTER_OTLP_ENDPOINT, else
+    /// http://localhost:4317 (Jaeger's OTLP port); off by default.
+    #[arg(long)]
+    pub traces: bool,
 }
 
 /// A planner by name (`--planner`).

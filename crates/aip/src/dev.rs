@@ -458,7 +458,17 @@ pub fn banner(info: &DevInfo) -> String {
 
 /// Runs `aip dev` until Ctrl-C or SIGTERM.
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
-    aip_runtime::telemetry::init(aip_runtime::telemetry::LogFormat::Pretty, "info");
+    let traces = if args.traces {
+        aip_runtime::telemetry::Traces::On
+    } else {
+        aip_runtime::telemetry::Traces::Off
+    };
+    let telemetry = aip_runtime::telemetry::init_with(
+        aip_runtime::telemetry::LogFormat::Pretty,
+        "info",
+        traces,
+        "aip",
+    );
     let server = DevServer::build(&args).await?;
     {
         use std::io::Write as _;
@@ -475,7 +485,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             std::process::exit(130);
         });
     };
-    server.run_until(shutdown).await?;
+    let result = server.run_until(shutdown).await;
+    telemetry.shutdown().await;
+    result?;
     println!("aip dev: stopped");
     Ok(())
 }
@@ -589,6 +601,7 @@ mod tests {
             planner_url: None,
             llm_base_url: None,
             llm_model: None,
+            traces: false,
         };
         let server = DevServer::build(&args).await.expect("builds");
         let base = server.info().rest_url.clone();

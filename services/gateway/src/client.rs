@@ -85,6 +85,8 @@ pub(crate) struct Client {
     pub(crate) frames_forwarded: u64,
     /// Ids of recent deliveries, so a frame re-sent after a sender's crash is written once.
     pub(crate) recent_deliveries: RecentIds,
+    /// The traces of the commands written, so their results join them.
+    pub(crate) command_traces: crate::traces::CommandTraces,
 }
 
 /// What registration sets up for the registered phase.
@@ -111,6 +113,7 @@ pub async fn serve(
         rate: FrameRate::new(settings.frames_per_second),
         frames_forwarded: 0,
         recent_deliveries: RecentIds::new(RECENT_DELIVERY_IDS),
+        command_traces: Default::default(),
         state,
     };
     metrics::counter!("aip_gateway_connections_total").increment(1);

@@ -2,9 +2,11 @@
 //! and the end of a registered connection. Both go into the durable frames stream, stored
 //! before the publish returns, so a session service that restarts loses none.
 
+use aip_bus::trace::Operation;
 use aip_bus::{BusError, Headers, names};
 use proto_schemas::V1;
 use proto_schemas::sessions::{ConnectionClosed, GatewayEvent};
+use tracing::Instrument;
 
 use crate::AppState;
 use crate::identity::Identity;
@@ -35,6 +37,25 @@ pub(crate) async fn publish(
     let headers = Headers::new().with(names::MSG_ID, msg_id);
     let subject = state.subjects.frames(client_id);
     let body = bytes::Bytes::from(body);
+    let span = aip_bus::trace::messaging_span(
+        Operation::Publish,
+        &state.subjects.template(&subject),
+        &subject,
+        None,
+    );
+    store(state, client_id, subject, headers, body)
+        .instrument(span)
+        .await
+}
+
+/// Stores one event, retrying while the bus is unreachable.
+async fn store(
+    state: &AppState,
+    client_id: &str,
+    subject: String,
+    headers: Headers,
+    body: bytes::Bytes,
+) -> Result<(), PublishError> {
     let deadline = tokio::time::Instant::now() + PUBLISH_RETRY_WINDOW;
     let mut delay = PUBLISH_RETRY_FIRST_DELAY;
     loop {

@@ -21,6 +21,7 @@ pub mod presence;
 pub mod rate;
 pub mod replies;
 pub mod settings;
+mod traces;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

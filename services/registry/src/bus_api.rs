@@ -12,6 +12,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use aip_bus::trace::Operation;
 use aip_bus::{Bus, Headers, Message, SharedBus, Subscription, names};
 use futures::StreamExt;
 use proto_schemas::registry::Reply;
@@ -20,6 +21,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::registry::Registry;
 
@@ -177,17 +179,30 @@ async fn serve<Req, Resp, F, Fut>(
         let work = parsed.map(&handler);
         let bus = ctx.bus.clone();
         let abandon = ctx.abandon.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let result = match work {
-                Ok(future) => tokio::select! {
-                    result = future => result,
-                    () = abandon.cancelled() => return,
-                },
-                Err(refusal) => Err(refusal),
-            };
-            reply(&*bus, &message, result).await;
-        });
+        let span = match aip_bus::trace::extract(&message.headers) {
+            Some(parent) => aip_bus::trace::messaging_span(
+                Operation::Serve,
+                // Registry subjects carry no ids: each is its own template.
+                &message.subject,
+                &message.subject,
+                Some(parent),
+            ),
+            None => tracing::Span::none(),
+        };
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                let result = match work {
+                    Ok(future) => tokio::select! {
+                        result = future => result,
+                        () = abandon.cancelled() => return,
+                    },
+                    Err(refusal) => Err(refusal),
+                };
+                reply(&*bus, &message, result).await;
+            }
+            .instrument(span),
+        );
     }
     drop(subscription);
     tracing::debug!(subject = name, "stopped serving");

@@ -28,6 +28,7 @@ use proto_schemas::sessions::{InboundFrame, PlanStep};
 use proto_schemas::{ClientType, ErrorBody, ErrorCode, PlannerName, ServerMessage, Subjects, V1};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::callbacks::Callbacks;
 use crate::machine::{Answer, CommandStep, HandoffAsk, Machine, Refusal};
@@ -235,7 +236,7 @@ pub struct Engine {
     planners: Arc<Planners>,
     callbacks: Arc<Callbacks>,
     blobs: aip_bus::BlobStore,
-    ops: mpsc::Sender<Op>,
+    ops: mpsc::Sender<Traced>,
     leading: Arc<AtomicBool>,
     /// Another replica held the leadership when this one last tried.
     standby: Arc<AtomicBool>,
@@ -249,7 +250,7 @@ pub struct Engine {
 
 /// The receiving end of the applier's channel, for [`run_applier`].
 pub struct Applier {
-    ops: mpsc::Receiver<Op>,
+    ops: mpsc::Receiver<Traced>,
 }
 
 impl Engine {
@@ -353,7 +354,7 @@ impl Engine {
             ))));
         }
         let (tx, rx) = oneshot::channel();
-        if self.ops.send(op(tx)).await.is_err() {
+        if self.ops.send((op(tx), current_span())).await.is_err() {
             return Err(Failure::Store("the session service is stopping".into()));
         }
         rx.await
@@ -361,7 +362,21 @@ impl Engine {
     }
 
     pub(crate) async fn send_op(&self, op: Op) -> bool {
-        self.ops.send(op).await.is_ok()
+        self.ops.send((op, current_span())).await.is_ok()
+    }
+
+    /// The span of a frame from the stream (`process aip.frames.{client}`), child of the
+    /// gateway's publish; none while tracing is off or the frame carries no trace.
+    pub(crate) fn frame_span(&self, message: &aip_bus::Message) -> tracing::Span {
+        match aip_bus::trace::extract(&message.headers) {
+            Some(parent) => aip_bus::trace::messaging_span(
+                aip_bus::trace::Operation::Process,
+                &self.subjects.template(&message.subject),
+                &message.subject,
+                Some(parent),
+            ),
+            None => tracing::Span::none(),
+        }
     }
 
     /// Turns a failure of a REST or NATS request into its answer (reading the database for a
@@ -809,13 +824,22 @@ impl Engine {
     pub(crate) async fn publish_frames(&self, frames: Vec<OutFrame>) {
         let ack_subject = self.ack_subject();
         for frame in frames {
+            let span = match frame.trace {
+                Some(parent) => aip_bus::trace::messaging_span(
+                    aip_bus::trace::Operation::Publish,
+                    &self.subjects.template(&frame.subject),
+                    &frame.subject,
+                    Some(parent),
+                ),
+                None => tracing::Span::none(),
+            };
             let publish = self.blobs.publish(
                 self.bus.as_ref(),
                 frame.subject.clone(),
                 delivery_headers(&frame.msg_id, &ack_subject, frame.connection.as_deref()),
                 frame.payload.into(),
             );
-            if let Err(e) = publish.await {
+            if let Err(e) = publish.instrument(span).await {
                 tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
             }
         }
@@ -1106,7 +1130,7 @@ impl Leader<'_> {
     /// Applies ops and writes them in groups until the service stops or a write fails.
     async fn run(
         &mut self,
-        ops: &mut mpsc::Receiver<Op>,
+        ops: &mut mpsc::Receiver<Traced>,
         stop: &CancellationToken,
         outputs: &Outputs,
     ) -> TermEnd {
@@ -1144,7 +1168,7 @@ impl Leader<'_> {
     /// sender of ops is gone.
     async fn wait_for_work(
         &mut self,
-        ops: &mut mpsc::Receiver<Op>,
+        ops: &mut mpsc::Receiver<Traced>,
         stop: &CancellationToken,
     ) -> bool {
         if !self.waiters.is_empty() || self.core.has_changes() {
@@ -1180,7 +1204,7 @@ impl Leader<'_> {
     }
 
     /// Applies the ops already waiting, up to the group's size limit.
-    fn take_ready_ops(&mut self, ops: &mut mpsc::Receiver<Op>) {
+    fn take_ready_ops(&mut self, ops: &mut mpsc::Receiver<Traced>) {
         while self.core.changes() < self.engine.settings.max_batch {
             match ops.try_recv() {
                 Ok(op) => apply_op(&mut self.core, op, &mut self.waiters),
@@ -1205,7 +1229,7 @@ impl Leader<'_> {
     /// reply of both groups.
     async fn write_group(
         &mut self,
-        ops: &mut mpsc::Receiver<Op>,
+        ops: &mut mpsc::Receiver<Traced>,
         outputs: &Outputs,
     ) -> Result<GroupEnd, ()> {
         let mut pending = self.core.take();
@@ -1213,8 +1237,9 @@ impl Leader<'_> {
         let mut next_waiters: Vec<Waiter> = Vec::new();
         let mut channel_closed = false;
         let max_batch = self.engine.settings.max_batch;
+        let commit_span = aip_bus::trace::linked_span("group commit", &pending.links);
         let written = {
-            let write = self.writer.write(&pending.batch);
+            let write = self.writer.write(&pending.batch).instrument(commit_span);
             tokio::pin!(write);
             loop {
                 tokio::select! {
@@ -1284,8 +1309,23 @@ enum GroupEnd {
     ChannelClosed,
 }
 
+/// An op and the span it was sent from (none while tracing is off): the core applies it in
+/// that span, so the frames it sends continue that trace, and the group commit links it.
+pub(crate) type Traced = (Op, tracing::Span);
+
+/// The caller's span, if traces are exported.
+fn current_span() -> tracing::Span {
+    if aip_bus::trace::enabled() {
+        tracing::Span::current()
+    } else {
+        tracing::Span::none()
+    }
+}
+
 /// Applies one op to the core and keeps its reply for after the commit.
-fn apply_op(core: &mut Machine, op: Op, waiters: &mut Vec<Waiter>) {
+fn apply_op(core: &mut Machine, (op, span): Traced, waiters: &mut Vec<Waiter>) {
+    let _entered = span.enter();
+    core.link(&span);
     match op {
         Op::Frame {
             inbound,

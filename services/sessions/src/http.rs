@@ -81,6 +81,7 @@ fn api_routes() -> OpenApiRouter<Engine> {
 pub fn router(engine: Engine, keys: ApiKeys) -> Router {
     let (api, _) = api_routes()
         .layer(middleware::from_fn_with_state(keys, api_keys::require))
+        .layer(middleware::from_fn(aip_runtime::telemetry::traced_request))
         .split_for_parts();
     let document = openapi();
     Router::new()

@@ -152,6 +152,8 @@ pub struct Pending {
     pub batch: Batch,
     /// Steps to ask a planner for.
     pub plans: Vec<PlanJob>,
+    /// The traces of the ops applied (empty while tracing is off): the group commit links them.
+    pub links: Vec<aip_bus::trace::Context>,
     ended: Vec<String>,
 }
 
@@ -319,6 +321,13 @@ impl Machine {
         seq
     }
 
+    /// Records the trace of an op being applied, for the group commit's links.
+    pub fn link(&mut self, span: &tracing::Span) {
+        if let Some(cx) = aip_bus::trace::context_of(span) {
+            self.pending.links.push(cx);
+        }
+    }
+
     /// Queues the task's callback (if it has one) for the event `seq`, once.
     fn notify(&mut self, task: &Task, seq: i64) {
         let Some(callback) = crate::callbacks::notification(task, seq) else {
@@ -356,6 +365,7 @@ impl Machine {
                 subject: self.subjects.deliver(client_id),
                 connection: connection.map(str::to_owned),
                 payload,
+                trace: aip_bus::trace::context_of(&tracing::Span::current()),
             }),
             Err(e) => tracing::error!(
                 client = %client_id,

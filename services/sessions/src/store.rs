@@ -720,6 +720,9 @@ pub struct OutFrame {
     /// connection its task is bound to); `None`: whichever connection the client has.
     pub connection: Option<String>,
     pub payload: Vec<u8>,
+    /// The trace the frame continues (not stored: a frame sent again after a restart starts
+    /// no span).
+    pub trace: Option<aip_bus::trace::Context>,
 }
 
 /// A callback to deliver, written with the state change it tells of.
@@ -1394,6 +1397,7 @@ impl TaskStore {
                 subject,
                 connection,
                 payload,
+                trace: None,
             })
             .collect())
     }

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use tracing::Instrument;
+
 use aip_bus::{Headers, StreamSpec, names};
 use futures::StreamExt;
 use proto_schemas::flow::{ClarificationResponse, HandoffRequest, TaskRequest};
@@ -153,7 +155,7 @@ async fn run_consumer(
             continue;
         }
         failing_chunks = 0;
-        for (delivery, msg_id, event, task, handoff) in chunk {
+        for (delivery, msg_id, event, task, handoff, span) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
                 GatewayEvent::Frame(inbound) => {
@@ -175,7 +177,7 @@ async fn run_consumer(
                     None,
                 ),
             };
-            if !engine.send_op(op).await {
+            if !engine.send_op(op).instrument(span).await {
                 return ConsumerEnd::Stopped;
             }
             engine.frames.received();
@@ -195,6 +197,7 @@ type PreparedEvent = (
     GatewayEvent,
     Option<TaskFrame>,
     Option<HandoffCandidates>,
+    tracing::Span,
 );
 
 /// Reads and prepares a chunk of stream messages: bodies and events concurrently, then the
@@ -214,6 +217,10 @@ async fn prepare_chunk(
     }))
     .await;
     let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
+    let spans: Vec<tracing::Span> = events
+        .iter()
+        .map(|(delivery, _, _)| engine.frame_span(&delivery.message))
+        .collect();
     let task_frames: Vec<&InboundFrame> = events
         .iter()
         .filter_map(|(_, _, event)| match event {
@@ -221,8 +228,20 @@ async fn prepare_chunk(
             _ => None,
         })
         .collect();
+    // The chunk's registry lookups run in the span of its first task frame.
+    let first_task_span = events
+        .iter()
+        .zip(&spans)
+        .find(|((_, _, event), _)| {
+            matches!(event, GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task)
+        })
+        .map_or_else(tracing::Span::none, |(_, span)| span.clone());
     let started = std::time::Instant::now();
-    let mut prepared = engine.prepare_frames(&task_frames).await.into_iter();
+    let mut prepared = engine
+        .prepare_frames(&task_frames)
+        .instrument(first_task_span)
+        .await
+        .into_iter();
     tracing::debug!(
         frames = events.len(),
         tasks = task_frames.len(),
@@ -244,14 +263,15 @@ async fn prepare_chunk(
     let prepared = events
         .into_iter()
         .zip(handoffs)
-        .map(|((delivery, msg_id, event), handoff)| {
+        .zip(spans)
+        .map(|(((delivery, msg_id, event), handoff), span)| {
             let task = match &event {
                 GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => {
                     prepared.next()
                 }
                 _ => None,
             };
-            (delivery, msg_id, event, task, handoff)
+            (delivery, msg_id, event, task, handoff, span)
         })
         .collect();
     (prepared, errors)

@@ -2,6 +2,7 @@
 //! by the session service, written to the socket as they are; and the control message
 //! telling a replaced connection to close.
 
+use aip_bus::trace::Operation;
 use aip_bus::{Headers, Message as BusMessage, names};
 use bytes::Bytes;
 use proto_schemas::{ErrorCode, server};
@@ -61,6 +62,9 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
     match String::from_utf8(payload.to_vec()) {
         Ok(text) => {
             metrics::counter!("aip_gateway_deliveries_total", "outcome" => "written").increment(1);
+            let traced = aip_bus::trace::extract(&message.headers)
+                .map(|parent| written_span(client, &message.subject, parent, &text));
+            let _entered = traced.as_ref().map(|span| span.enter());
             client.connection.write_text(text)?
         }
         Err(_) => {
@@ -70,6 +74,40 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
     // Also for a frame dropped as not UTF-8: sending it again cannot make it readable.
     acknowledge(client, &message).await;
     Ok(())
+}
+
+/// The span of a traced frame written to the socket (`process aip.deliver.{client}`), child of
+/// the sender's; a command's is remembered, so the results that answer it join its trace.
+fn written_span(
+    client: &mut Client,
+    subject: &str,
+    parent: aip_bus::trace::Context,
+    text: &str,
+) -> tracing::Span {
+    #[derive(serde::Deserialize)]
+    struct Peek<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: Option<&'a str>,
+        #[serde(borrow)]
+        session_id: Option<&'a str>,
+    }
+    let template = client.state.subjects.template(subject);
+    let span = aip_bus::trace::messaging_span(Operation::Process, &template, subject, Some(parent));
+    let peek: Option<Peek> = serde_json::from_str(text).ok();
+    if let Some(Peek {
+        kind: Some(kind),
+        session_id,
+    }) = peek
+    {
+        span.record("aip.frame.type", kind);
+        if kind == "command"
+            && let Some(session_id) = session_id
+            && let Some(cx) = aip_bus::trace::context_of(&span)
+        {
+            client.command_traces.remember(session_id, cx);
+        }
+    }
+    span
 }
 
 /// Tells the sender that asked (`Aip-Ack`) that the frame is written, so it stops re-sending

@@ -7,6 +7,7 @@
 
 use proto_schemas::sessions::{GatewayEvent, InboundFrame};
 use proto_schemas::{ClientMessage, ErrorCode, V1, server};
+use tracing::Instrument;
 
 use crate::client::{Client, End};
 use crate::events;
@@ -21,6 +22,8 @@ pub(crate) async fn handle(
     let msg_id = format!("{}:{}", client.connection_id, client.frames_forwarded);
     let kind = frame.kind;
     let session_id = frame.session_id.clone();
+    let parent = client.command_traces.parent_of(&frame);
+    let span = aip_bus::trace::work_span(&format!("receive {kind}"), "server", parent);
     let event = GatewayEvent::Frame(InboundFrame {
         version: V1,
         gateway_id: client.state.gateway_id.clone(),
@@ -32,7 +35,8 @@ pub(crate) async fn handle(
         received_at: server::timestamp_now(),
         frame,
     });
-    let Err(e) = events::publish(&client.state, &identity.client_id, &event, msg_id).await else {
+    let published = events::publish(&client.state, &identity.client_id, &event, msg_id);
+    let Err(e) = published.instrument(span).await else {
         return Ok(());
     };
     let text = format!("`{kind}` frame not accepted: {e}");

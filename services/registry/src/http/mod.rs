@@ -55,6 +55,9 @@ pub fn router(state: AppState, keys: ApiKeys) -> Router {
             keys,
             api_keys::require,
         ))
+        .route_layer(axum::middleware::from_fn(
+            aip_runtime::telemetry::traced_request,
+        ))
         .split_for_parts();
     let document = openapi();
     Router::new()
