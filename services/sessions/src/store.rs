@@ -1634,8 +1634,8 @@ mod tests {
         // The lease's four parameters, then the tasks' 35 columns, then the other tables',
         // then the callbacks' four.
         assert!(upsert.contains("$5::text[]") && upsert.contains("$39::text[]"));
-        assert!(upsert.contains("$52::int8") && upsert.contains("$56::text[]"));
-        assert!(!upsert.contains("$57"));
+        assert!(upsert.contains("$53::int8") && upsert.contains("$57::text[]"));
+        assert!(!upsert.contains("$58"));
         assert!(upsert.contains("steps::jsonb"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(
