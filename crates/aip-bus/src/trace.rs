@@ -173,6 +173,7 @@ pub fn messaging_span(
         messaging.destination.name = subject,
         messaging.destination.template = template,
         aip.frame.type = tracing::field::Empty,
+        aip.session_id = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         span_id = tracing::field::Empty,
     );
@@ -181,6 +182,14 @@ pub fn messaging_span(
     }
     record_ids(&span);
     span
+}
+
+/// Names the task (its session id) a span works for, so a trace is found by it
+/// (`aip.session_id` in Jaeger's tag search).
+pub fn record_session(span: &Span, session_id: &str) {
+    if !span.is_none() {
+        span.record("aip.session_id", session_id);
+    }
 }
 
 /// Writes the span's trace and span ids into its `trace_id` and `span_id` fields, where log
@@ -206,6 +215,7 @@ pub fn work_span(name: &str, kind: &'static str, parent: Option<Context>) -> Spa
         "work",
         otel.name = name,
         otel.kind = kind,
+        aip.session_id = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         span_id = tracing::field::Empty,
     );

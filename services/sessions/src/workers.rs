@@ -219,7 +219,15 @@ async fn prepare_chunk(
     let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
     let spans: Vec<tracing::Span> = events
         .iter()
-        .map(|(delivery, _, _)| engine.frame_span(&delivery.message))
+        .map(|(delivery, _, event)| {
+            let span = engine.frame_span(&delivery.message);
+            if let GatewayEvent::Frame(f) = event
+                && let Some(id) = &f.frame.session_id
+            {
+                aip_bus::trace::record_session(&span, id);
+            }
+            span
+        })
         .collect();
     let task_frames: Vec<&InboundFrame> = events
         .iter()

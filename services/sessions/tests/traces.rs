@@ -37,6 +37,8 @@ struct Received {
     parent: String,
     kind: i32,
     links: Vec<String>,
+    /// The string attributes.
+    attributes: HashMap<String, String>,
 }
 
 /// The OTLP trace service: keeps every span it is sent.
@@ -74,6 +76,14 @@ impl TraceService for Receiver {
                         parent: hex(&span.parent_span_id),
                         kind: span.kind,
                         links: span.links.iter().map(|l| hex(&l.trace_id)).collect(),
+                        attributes: span
+                            .attributes
+                            .iter()
+                            .filter_map(|a| match a.value.as_ref()?.value.as_ref()? {
+                                AnyValue::StringValue(v) => Some((a.key.clone(), v.clone())),
+                                _ => None,
+                            })
+                            .collect(),
                     });
                 }
             }
@@ -345,6 +355,18 @@ async fn one_task_is_one_trace_across_processes() {
         panic!("{e}; spans received: {spans:#?}")
     });
     let trace = plain[0].trace_id.clone();
+    // Found in Jaeger by the task's session id.
+    for i in [0, 2, 6, 7, 9] {
+        assert_eq!(
+            plain[i]
+                .attributes
+                .get("aip.session_id")
+                .map(String::as_str),
+            Some("plain"),
+            "{:#?}",
+            plain[i]
+        );
+    }
     assert!(plain.iter().all(|s| s.trace_id == trace), "{plain:#?}");
     let services: std::collections::BTreeSet<&str> =
         plain.iter().map(|s| s.service.as_str()).collect();

@@ -100,6 +100,9 @@ fn written_span(
     }) = peek
     {
         span.record("aip.frame.type", kind);
+        if let Some(id) = session_id {
+            aip_bus::trace::record_session(&span, id);
+        }
         if kind == "command"
             && let Some(session_id) = session_id
             && let Some(cx) = aip_bus::trace::context_of(&span)

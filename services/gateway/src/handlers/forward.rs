@@ -24,6 +24,9 @@ pub(crate) async fn handle(
     let session_id = frame.session_id.clone();
     let parent = client.command_traces.parent_of(&frame);
     let span = aip_bus::trace::work_span(&format!("receive {kind}"), "server", parent);
+    if let Some(id) = &session_id {
+        aip_bus::trace::record_session(&span, id);
+    }
     let event = GatewayEvent::Frame(InboundFrame {
         version: V1,
         gateway_id: client.state.gateway_id.clone(),
