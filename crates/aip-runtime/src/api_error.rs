@@ -183,7 +183,8 @@ impl From<PathRejection> for ApiError {
 
 /// A JSON body (`Content-Type: application/json`), refused with an [`ApiError`]: 415 without
 /// that content type, 413 when too large, 400 when it is not JSON of the handler's type.
-/// `Option<JsonBody<T>>` is `None` when the request has no `Content-Type` (no body).
+/// `Option<JsonBody<T>>` is `None` when the request has no body; a body without a JSON
+/// `Content-Type` is refused (415), so a form another site posts is never read as "no body".
 #[derive(Debug, Clone, Copy, Default)]
 pub struct JsonBody<T>(pub T);
 
@@ -202,11 +203,32 @@ impl<S: Send + Sync, T: DeserializeOwned> OptionalFromRequest<S> for JsonBody<T>
 
     async fn from_request(request: Request, state: &S) -> Result<Option<Self>, Self::Rejection> {
         if !request.headers().contains_key(header::CONTENT_TYPE) {
+            if has_body(request.headers()) {
+                return Err(ApiError::WithStatus(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    ErrorBody::new(
+                        ErrorCode::InvalidRequest,
+                        "send the body as JSON, with the header Content-Type: application/json",
+                    ),
+                ));
+            }
             return Ok(None);
         }
         let axum::Json(value) =
             <axum::Json<T> as FromRequest<S>>::from_request(request, state).await?;
         Ok(Some(JsonBody(value)))
+    }
+}
+
+/// Whether a request announces a body: a non-zero `Content-Length`, or a chunked one.
+fn has_body(headers: &axum::http::HeaderMap) -> bool {
+    let length = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match length {
+        Some(length) => length > 0,
+        None => headers.contains_key(header::TRANSFER_ENCODING),
     }
 }
 
@@ -247,7 +269,7 @@ pub const SECURED_PREFIX: &str = "/api/";
 
 /// Completes a service's generated document with what every service shares:
 /// - the `ErrorBody` schema and the two API-key schemes (either one is enough);
-/// - on every `/api/…` operation: the key requirement and its 401;
+/// - on every `/api/…` operation: the key requirement, its 401, and the origin policy's 403;
 /// - on every operation with parameters or a body: 400 for input it cannot read;
 /// - on every operation with a body: 415 for a body that is not `application/json`.
 ///
@@ -315,6 +337,9 @@ pub fn document(openapi: &mut OpenApi) {
                 responses
                     .entry("401".to_owned())
                     .or_insert_with(|| error("no API key, or not one of the service's keys"));
+                responses.entry("403".to_owned()).or_insert_with(|| {
+                    error("a browser's request from an origin not in allowed_origins (or a loopback service reached under another host name)")
+                });
             }
             let has_input = operation.parameters.as_ref().is_some_and(|p| !p.is_empty())
                 || operation.request_body.is_some();
@@ -324,6 +349,7 @@ pub fn document(openapi: &mut OpenApi) {
                     .or_insert_with(|| error("the request's parameters or body cannot be read"));
             }
             if operation.request_body.is_some() {
+                // Also for an optional body: one sent without the JSON content type.
                 responses
                     .entry("415".to_owned())
                     .or_insert_with(|| error("the body is not sent as application/json"));

@@ -17,6 +17,7 @@ pub mod api_keys;
 pub mod health;
 pub mod listener;
 pub mod metrics;
+pub mod origin;
 pub mod runner;
 pub mod service;
 pub mod settings;

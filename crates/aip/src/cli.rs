@@ -93,6 +93,10 @@ pub struct DevArgs {
     /// Serve without API keys and credentials on a non-loopback address (trusted networks).
     #[arg(long)]
     pub allow_no_auth: bool,
+    /// A web origin allowed to open /ws and call /api (repeatable; `*` for any). Browsers'
+    /// requests from any other origin are refused, so a web page cannot drive local devices.
+    #[arg(long = "allowed-origin", value_name = "ORIGIN")]
+    pub allowed_origins: Vec<String>,
     /// Configuration file (TOML or JSON) with [gateway], [registry] and [sessions] sections.
     #[arg(long, env = "AIP_CONFIG")]
     pub config: Option<PathBuf>,

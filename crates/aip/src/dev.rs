@@ -229,6 +229,9 @@ impl DevServer {
         registry.registry.listen = addr;
         registry.registry.api_keys = args.api_keys.clone();
         registry.registry.allow_no_auth = args.allow_no_auth;
+        if !args.allowed_origins.is_empty() {
+            registry.registry.allowed_origins = args.allowed_origins.clone();
+        }
         let registry = aip_registry::Application::build_with(
             registry,
             bus.clone(),
@@ -243,6 +246,9 @@ impl DevServer {
         sessions.sessions.listen = addr;
         sessions.sessions.api_keys = args.api_keys.clone();
         sessions.sessions.allow_no_auth = args.allow_no_auth;
+        if !args.allowed_origins.is_empty() {
+            sessions.sessions.allowed_origins = args.allowed_origins.clone();
+        }
         if let Some(planner) = args.planner {
             sessions.sessions.planner.default = Some(planner.planner());
         }
@@ -268,6 +274,9 @@ impl DevServer {
         gateway.subject_prefix = args.subject_prefix.clone();
         gateway.gateway.listen = addr;
         gateway.gateway.allow_no_auth = args.allow_no_auth;
+        if !args.allowed_origins.is_empty() {
+            gateway.gateway.allowed_origins = args.allowed_origins.clone();
+        }
         if args.credentials_file.is_some() {
             gateway.gateway.credentials_file = args.credentials_file.clone();
         }
@@ -596,6 +605,7 @@ mod tests {
             api_keys: vec!["k".into()],
             credentials_file: None,
             allow_no_auth: false,
+            allowed_origins: Vec::new(),
             config: None,
             planner: None,
             planner_url: None,

@@ -66,6 +66,8 @@ pub struct AppState {
     pub acks: acks::DeliveryAcks,
     /// Who may connect.
     pub credentials: Credentials,
+    /// Which web pages may open `/ws`.
+    pub origins: aip_runtime::origin::OriginPolicy,
     /// Registered connections, for presence.
     pub presence: Arc<presence::PresenceTable>,
     /// Devices registered on this gateway, for device-info requests.
@@ -229,7 +231,12 @@ impl runner::Service for Application {
             std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
         );
         let (announce, announced) = tokio::sync::watch::channel(false);
+        let origins = aip_runtime::origin::OriginPolicy::new(
+            &settings.gateway.allowed_origins,
+            settings.gateway.listen,
+        );
         let state = Arc::new(AppState {
+            origins,
             registry,
             announce,
             announced,
@@ -290,6 +297,13 @@ async fn websocket(
             StatusCode::SERVICE_UNAVAILABLE,
             ErrorCode::Unavailable,
             "gateway shutting down; connect to another",
+        );
+    }
+    if let Err(refusal) = state.origins.check(&headers) {
+        return refuse(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden,
+            refusal.to_string(),
         );
     }
     let bearer = headers

@@ -40,6 +40,11 @@ pub struct GatewaySettings {
     pub credentials_file: Option<PathBuf>,
     /// Run without credentials on a non-loopback address (for trusted networks only).
     pub allow_no_auth: bool,
+    /// Web origins allowed to open `/ws` (`https://console.example`, `*` for any); a browser's
+    /// handshake from any other origin is refused. A list, or one comma-separated string in
+    /// the environment. Clients that are not browsers send no origin and are not affected.
+    #[serde(deserialize_with = "aip_runtime::settings::string_or_list")]
+    pub allowed_origins: Vec<String>,
     /// How long a new connection has to send its REGISTER.
     pub register_timeout_ms: u64,
     /// A registered connection silent this long (no frame, no pong) is closed and reported gone.
@@ -81,6 +86,7 @@ impl Default for GatewaySettings {
             gateway_id: None,
             credentials_file: None,
             allow_no_auth: false,
+            allowed_origins: Vec::new(),
             register_timeout_ms: 10_000,
             liveness_timeout_ms: 90_000,
             ping_interval_ms: 20_000,

@@ -49,6 +49,10 @@ pub struct RegistrySettings {
     pub api_keys: Vec<String>,
     /// Serve `/api/*` without keys on a non-loopback address (trusted networks only).
     pub allow_no_auth: bool,
+    /// Web origins allowed to call the REST API (`*` for any); a browser's request from any
+    /// other origin is refused. A list, or one comma-separated string in the environment.
+    #[serde(deserialize_with = "aip_runtime::settings::string_or_list")]
+    pub allowed_origins: Vec<String>,
     /// An agent whose last sign of life, or whose gateway's last presence batch, is older
     /// than this is offline (and not offered by lookup).
     pub liveness_ms: u64,
@@ -89,6 +93,7 @@ impl Default for RegistrySettings {
             listen: SocketAddr::from(([127, 0, 0, 1], 5001)),
             api_keys: Vec::new(),
             allow_no_auth: false,
+            allowed_origins: Vec::new(),
             liveness_ms: 15_000,
             // Above the gateway's client liveness timeout (90 s) and its ping interval (20 s):
             // gateways report only connections that showed life since their last batch.

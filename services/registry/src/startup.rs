@@ -15,6 +15,7 @@ use aip_bus::SharedBus;
 use aip_runtime::api_keys::ApiKeys;
 use aip_runtime::health::Probes;
 use aip_runtime::listener::{Listening, ServiceListener};
+use aip_runtime::origin::OriginPolicy;
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings, StartError};
 use aip_store::Database;
@@ -248,7 +249,13 @@ impl runner::Service for Application {
 
 /// The REST routes and the probes.
 fn router(settings: &RegistrySettings, store: Arc<dyn AgentStore>, probes: Probes) -> axum::Router {
-    http::router(AppState { store }, ApiKeys::new(&settings.api_keys)).merge(probes.routes())
+    let origins = OriginPolicy::new(&settings.allowed_origins, settings.listen);
+    http::router(AppState { store }, ApiKeys::new(&settings.api_keys))
+        .merge(probes.routes())
+        .layer(axum::middleware::from_fn_with_state(
+            std::sync::Arc::new(origins),
+            aip_runtime::origin::guard,
+        ))
 }
 
 fn windows(settings: &RegistrySettings) -> Windows {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use aip_runtime::api_error::{self, ApiError, JsonBody, Path, Query};
 use aip_runtime::api_keys::{self, ApiKeys};
 use aip_runtime::health::{self, Check, CheckName, Probes, Readiness, Role};
+use aip_runtime::origin::OriginPolicy;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -77,8 +78,8 @@ fn api_routes() -> OpenApiRouter<Engine> {
         .routes(routes!(ufo_task_result))
 }
 
-/// The routes, with API keys required on `/api/*`.
-pub fn router(engine: Engine, keys: ApiKeys) -> Router {
+/// The routes, with API keys required on `/api/*` and browsers held to `origins`.
+pub fn router(engine: Engine, keys: ApiKeys, origins: OriginPolicy) -> Router {
     let (api, _) = api_routes()
         .layer(middleware::from_fn_with_state(keys, api_keys::require))
         .layer(middleware::from_fn(aip_runtime::telemetry::traced_request))
@@ -93,6 +94,10 @@ pub fn router(engine: Engine, keys: ApiKeys) -> Router {
         .method_not_allowed_fallback(api_error::method_not_allowed)
         .fallback(api_error::no_such_path)
         .with_state(engine)
+        .layer(middleware::from_fn_with_state(
+            std::sync::Arc::new(origins),
+            aip_runtime::origin::guard,
+        ))
 }
 
 /// `/readyz`: the bus and the database answer, and this replica leads (a standby serves reads

@@ -31,6 +31,7 @@ use std::time::Duration;
 use aip_bus::SharedBus;
 use aip_runtime::api_keys::ApiKeys;
 use aip_runtime::listener::{Listening, ServiceListener};
+use aip_runtime::origin::OriginPolicy;
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings};
 use aip_store::Database;
@@ -73,9 +74,11 @@ impl Application {
 
     /// The REST router (for embedding in `aip dev`).
     pub fn router(&self) -> axum::Router {
+        let s = &self.settings.sessions;
         http::router(
             self.engine.clone(),
-            ApiKeys::new(&self.settings.sessions.api_keys),
+            ApiKeys::new(&s.api_keys),
+            OriginPolicy::new(&s.allowed_origins, s.listen),
         )
     }
 
@@ -126,7 +129,11 @@ impl Application {
             on_lead,
         ));
         tracing::info!(%addr, "session service listening");
-        let app = http::router(engine, ApiKeys::new(&s.api_keys));
+        let app = http::router(
+            engine,
+            ApiKeys::new(&s.api_keys),
+            OriginPolicy::new(&s.allowed_origins, s.listen),
+        );
         let token = stop.clone();
         let served = self
             .listener

@@ -41,6 +41,10 @@ pub struct SessionSettings {
     pub api_keys: Vec<String>,
     /// Serve `/api/*` without keys on a non-loopback address.
     pub allow_no_auth: bool,
+    /// Web origins allowed to call the REST API (`*` for any); a browser's request from any
+    /// other origin is refused. A list, or one comma-separated string in the environment.
+    #[serde(deserialize_with = "aip_runtime::settings::string_or_list")]
+    pub allowed_origins: Vec<String>,
     /// Tasks one agent runs at once; more wait in priority order.
     pub max_tasks_per_agent: i64,
     /// A task not finished after this long fails with TASK_TIMEOUT (a task may ask for less).
@@ -184,6 +188,7 @@ impl Default for SessionSettings {
             listen: SocketAddr::from(([127, 0, 0, 1], 5002)),
             api_keys: Vec::new(),
             allow_no_auth: false,
+            allowed_origins: Vec::new(),
             max_tasks_per_agent: 1,
             task_timeout_secs: 3600,
             command_timeout_secs: 600,
