@@ -9,6 +9,9 @@
 //! token_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 //! client_ids = ["lab-pc-*", "printer"]   # exact ids, or a prefix ending in `*`
 //! roles = ["device"]                      # device, constellation
+//! # optional: the devices its constellations may target (exact ids or prefixes); absent:
+//! # any device, as UFO allows
+//! targets = ["lab-pc-*"]
 //! ```
 //!
 //! Tokens are never stored in clear. A client presents its token as `?token=` in the URL
@@ -27,6 +30,18 @@ pub struct Principal {
     pub name: String,
     client_ids: Vec<String>,
     roles: Vec<ClientType>,
+    /// The devices it may target; `None`: any (UFO's rule).
+    targets: Option<Vec<String>>,
+}
+
+/// Whether `id` matches one of `patterns` (exact ids, or prefixes ending in `*`).
+fn matches_any(patterns: &[String], id: &str) -> bool {
+    patterns
+        .iter()
+        .any(|pattern| match pattern.strip_suffix('*') {
+            Some(prefix) => id.starts_with(prefix),
+            None => pattern == id,
+        })
 }
 
 impl Principal {
@@ -36,19 +51,26 @@ impl Principal {
             name: "anonymous".to_owned(),
             client_ids: vec!["*".to_owned()],
             roles: vec![ClientType::Device, ClientType::Constellation],
+            targets: None,
         }
+    }
+
+    /// Whether this principal may send tasks to (or register a constellation for) the
+    /// device `device_id`.
+    pub fn may_target(&self, device_id: &str) -> bool {
+        self.targets
+            .as_ref()
+            .is_none_or(|targets| matches_any(targets, device_id))
+    }
+
+    /// Whether this principal's targets are limited (then a task must name its device).
+    pub fn targets_limited(&self) -> bool {
+        self.targets.is_some()
     }
 
     /// Whether this principal may register `client_id` as `client_type`.
     pub fn may_register(&self, client_id: &str, client_type: ClientType) -> bool {
-        self.roles.contains(&client_type)
-            && self
-                .client_ids
-                .iter()
-                .any(|pattern| match pattern.strip_suffix('*') {
-                    Some(prefix) => client_id.starts_with(prefix),
-                    None => pattern == client_id,
-                })
+        self.roles.contains(&client_type) && matches_any(&self.client_ids, client_id)
     }
 }
 
@@ -66,6 +88,8 @@ struct CredentialEntry {
     token_sha256: String,
     client_ids: Vec<String>,
     roles: Vec<ClientType>,
+    #[serde(default)]
+    targets: Option<Vec<String>>,
 }
 
 /// The configured credentials; `None` inside means authentication is off.
@@ -134,10 +158,26 @@ impl Credentials {
                     entry.name
                 ));
             }
+            if entries
+                .iter()
+                .any(|(_, p): &(String, Principal)| p.name == entry.name)
+            {
+                return Err(format!(
+                    "credential `{}` is listed twice: names must be unique (logs and the registry tell principals apart by them)",
+                    entry.name
+                ));
+            }
+            if entry.targets.as_ref().is_some_and(Vec::is_empty) {
+                return Err(format!(
+                    "credential `{}`: targets must not be empty (leave it out to allow any device)",
+                    entry.name
+                ));
+            }
             let principal = Principal {
                 name: entry.name,
                 client_ids: entry.client_ids,
                 roles: entry.roles,
+                targets: entry.targets,
             };
             entries.push((hash, principal));
         }

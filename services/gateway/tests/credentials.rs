@@ -258,3 +258,104 @@ async fn a_takeover_is_described_by_its_new_system_info(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(a_takeover_is_described_by_its_new_system_info);
+
+const SCOPED_TOKEN: &str = "scoped-token";
+
+/// A credential whose constellations may target only the lab's devices.
+fn scoped_credentials() -> String {
+    format!(
+        r#"
+[[credential]]
+name = "scoped"
+token_sha256 = "{}"
+client_ids = ["lab-*", "galaxy@*"]
+roles = ["device", "constellation"]
+targets = ["lab-*"]
+"#,
+        hash_token(SCOPED_TOKEN),
+    )
+}
+
+/// The next frame of type `kind` (others, such as a task's acceptance, skipped).
+async fn next_of_kind(ws: &mut Ws, kind: &str) -> serde_json::Value {
+    loop {
+        let frame = ws.recv().await.expect("a frame");
+        if frame["type"] == kind {
+            return frame;
+        }
+    }
+}
+
+/// Issue 21: a credential with `targets` drives only those devices. A constellation may not
+/// register for another device, and its TASK frames to another device (or to none named) are
+/// refused with FORBIDDEN and a failed `task_end`; tasks to its devices run.
+async fn a_credential_targets_only_its_devices(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            credentials: Some(scoped_credentials()),
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let url = with_token(&stack.ws_url(0), SCOPED_TOKEN);
+    refused_registration(
+        &url,
+        &constellation_register("galaxy@office-1", Some("office-1")),
+        "FORBIDDEN",
+        "credential `scoped` may not target device `office-1`",
+    )
+    .await;
+
+    let mut device = registered(&url, &device_register("lab-1", "linux")).await;
+    let mut galaxy = registered(&url, &constellation_register("galaxy@lab-1", Some("lab-1"))).await;
+    let steps = aip_testkit::frames::one_step("echo", json!({ "text": "hi" }));
+    for (target, session, text) in [
+        (
+            "office-1",
+            "s-office",
+            "credential `scoped` may not target device `office-1`",
+        ),
+        (
+            "",
+            "s-none",
+            "credential `scoped` may target only the devices it names: give target_id",
+        ),
+    ] {
+        let mut task = aip_testkit::frames::constellation_task(
+            "galaxy@lab-1",
+            target,
+            session,
+            session,
+            Some(steps.clone()),
+        );
+        if target.is_empty() {
+            task["target_id"] = serde_json::Value::Null;
+        }
+        galaxy.send(&task).await;
+        galaxy.expect_error("FORBIDDEN", text).await;
+        let end = galaxy.recv_kind("task_end").await;
+        assert_eq!(end["session_id"], session, "{end}");
+        assert_eq!(end["status"], "failed", "{end}");
+    }
+
+    let task = aip_testkit::frames::constellation_task(
+        "galaxy@lab-1",
+        "lab-1",
+        "s-lab",
+        "s-lab",
+        Some(steps),
+    );
+    galaxy.send(&task).await;
+    let command = next_of_kind(&mut device, "command").await;
+    device
+        .send(&aip_testkit::frames::command_results_for("lab-1", &command))
+        .await;
+    let end = next_of_kind(&mut galaxy, "task_end").await;
+    assert_eq!(end["session_id"], "s-lab", "{end}");
+    assert_eq!(end["status"], "completed", "{end}");
+    stack.stop().await;
+}
+
+both_backends!(a_credential_targets_only_its_devices);

@@ -6,18 +6,48 @@
 //! `task_end` so that the requester's pending task ends.
 
 use proto_schemas::sessions::{GatewayEvent, InboundFrame};
-use proto_schemas::{ClientMessage, ErrorCode, V1, server};
+use proto_schemas::{ClientMessage, ClientMessageType, ErrorCode, V1, server};
 use tracing::Instrument;
 
 use crate::client::{Client, End};
 use crate::events;
 use crate::identity::Identity;
 
+/// Why a task frame may not go where it asks, when the connection's credential limits the
+/// devices it may target (UFO lets any constellation target any device; a credential with
+/// `targets` narrows that).
+fn target_refusal(client: &Client, frame: &ClientMessage) -> Option<String> {
+    let principal = &client.principal;
+    if !principal.targets_limited() {
+        return None;
+    }
+    match frame.target_id.as_deref().filter(|t| !t.is_empty()) {
+        Some(target) if principal.may_target(target) => None,
+        Some(target) => Some(format!(
+            "credential `{}` may not target device `{target}`",
+            principal.name
+        )),
+        None => Some(format!(
+            "credential `{}` may target only the devices it names: give target_id",
+            principal.name
+        )),
+    }
+}
+
 pub(crate) async fn handle(
     client: &mut Client,
     identity: &Identity,
     frame: ClientMessage,
 ) -> Result<(), End> {
+    if frame.kind == ClientMessageType::Task
+        && let Some(refusal) = target_refusal(client, &frame)
+    {
+        let session_id = frame.session_id.as_deref();
+        for answer in server::refusal(frame.kind, session_id, ErrorCode::Forbidden, &refusal) {
+            client.connection.write(&answer)?;
+        }
+        return Ok(());
+    }
     client.frames_forwarded += 1;
     let msg_id = format!("{}:{}", client.connection_id, client.frames_forwarded);
     let kind = frame.kind;

@@ -57,6 +57,16 @@ pub(crate) async fn handle(
         return Err(refuse(client, ErrorCode::Forbidden, text, close::POLICY));
     }
     let target_id = frame.target_id.clone().filter(|t| !t.is_empty());
+    if client_type == ClientType::Constellation
+        && let Some(target) = &target_id
+        && !client.principal.may_target(target)
+    {
+        let text = format!(
+            "credential `{}` may not target device `{target}`",
+            client.principal.name
+        );
+        return Err(refuse(client, ErrorCode::Forbidden, text, close::POLICY));
+    }
     let local_info = if client_type == ClientType::Device {
         local_system_info(&client_id, details.system_info.as_ref())
     } else {
