@@ -73,7 +73,16 @@ impl ApiKeys {
     }
 }
 
+/// The key a request presents; an empty one counts as none (it can never be a key).
 fn presented_key(headers: &HeaderMap) -> Result<&str, ApiKeyError> {
+    let key = presented(headers)?;
+    if key.trim().is_empty() {
+        return Err(ApiKeyError::Missing);
+    }
+    Ok(key)
+}
+
+fn presented(headers: &HeaderMap) -> Result<&str, ApiKeyError> {
     if let Some(value) = headers.get("x-api-key") {
         return value.to_str().map_err(|_| ApiKeyError::Invalid);
     }
@@ -132,5 +141,37 @@ mod tests {
         );
         assert_eq!(keys.check(&headers(&[])), Err(ApiKeyError::Missing));
         assert!(ApiKeys::default().check(&headers(&[])).is_ok());
+    }
+
+    /// Issue 21: an empty key configured by mistake never lets an empty header through.
+    #[test]
+    fn an_empty_key_is_never_a_key() {
+        let keys = ApiKeys::new(&["", "k1"]);
+        for presented in [
+            ("x-api-key", ""),
+            ("x-api-key", "  "),
+            ("authorization", "Bearer "),
+        ] {
+            assert_eq!(
+                keys.check(&headers(&[presented])),
+                Err(ApiKeyError::Missing),
+                "{presented:?}"
+            );
+        }
+        assert!(keys.check(&headers(&[("x-api-key", "k1")])).is_ok());
+    }
+
+    #[test]
+    fn a_configured_list_with_an_empty_key_is_refused() {
+        #[derive(Debug, serde::Deserialize)]
+        struct Keys {
+            #[serde(deserialize_with = "crate::settings::string_or_list")]
+            api_keys: Vec<String>,
+        }
+        let refused =
+            serde_json::from_str::<Keys>(r#"{"api_keys": ["k1", " "]}"#).expect_err("an empty key");
+        assert!(refused.to_string().contains("an empty entry"), "{refused}");
+        let keys: Keys = serde_json::from_str(r#"{"api_keys": [" k1 "]}"#).expect("keys");
+        assert_eq!(keys.api_keys, ["k1"]);
     }
 }

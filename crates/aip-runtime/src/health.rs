@@ -226,7 +226,11 @@ impl Probes {
             Some(
                 match tokio::time::timeout(CHECK_TIMEOUT, bus.flush()).await {
                     Ok(Ok(())) => Check::ok(),
-                    Ok(Err(e)) => Check::failed(e.to_string()),
+                    Ok(Err(e)) => {
+                        // The probe is open to all: the cause (addresses, names) goes to the log.
+                        tracing::warn!("readiness: the bus check failed: {e}");
+                        Check::failed("the bus does not answer (the service's log says why)")
+                    }
                     Err(_) => Check::failed(format!("no answer within {CHECK_TIMEOUT:?}")),
                 },
             )
@@ -236,7 +240,10 @@ impl Probes {
             Some(
                 match tokio::time::timeout(CHECK_TIMEOUT, database.ping()).await {
                     Ok(Ok(())) => Check::ok(),
-                    Ok(Err(e)) => Check::failed(e.to_string()),
+                    Ok(Err(e)) => {
+                        tracing::warn!("readiness: the database check failed: {e}");
+                        Check::failed("the database does not answer (the service's log says why)")
+                    }
                     Err(_) => Check::failed(format!("no answer within {CHECK_TIMEOUT:?}")),
                 },
             )
@@ -330,5 +337,25 @@ mod tests {
             Check::failed("shutting down")
         );
         assert!(readiness.checks[&CheckName::Bus].ok);
+    }
+
+    /// Issue 21: the probe is open to all, so a failed check says what failed, not the
+    /// driver's error (a path, an address, a user name).
+    #[tokio::test]
+    async fn a_failed_check_does_not_tell_its_cause() {
+        let dir = std::env::temp_dir().join(format!("aip-health-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let url = format!("sqlite://{}", dir.join("probe.db").display());
+        let database = aip_store::Database::connect(&url).await.expect("sqlite");
+        database.close().await;
+        let probes = Probes::new().database(database);
+        let readiness = probes.check().await;
+        assert_eq!(readiness.status, ReadyStatus::NotReady);
+        let check = &readiness.checks[&CheckName::Database];
+        assert_eq!(
+            check,
+            &Check::failed("the database does not answer (the service's log says why)")
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

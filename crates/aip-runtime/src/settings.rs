@@ -118,7 +118,14 @@ pub fn string_or_list<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<
         ) -> Result<Self::Value, A::Error> {
             let mut keys = Vec::new();
             while let Some(key) = seq.next_element::<String>()? {
-                keys.push(key);
+                if key.trim().is_empty() {
+                    // An empty API key would make an empty header a key; an empty origin means
+                    // nothing. Refused rather than dropped, so the mistake is seen.
+                    return Err(serde::de::Error::custom(
+                        "an empty entry in the list; remove it",
+                    ));
+                }
+                keys.push(key.trim().to_owned());
             }
             Ok(keys)
         }

@@ -174,6 +174,12 @@ impl DevServer {
             secured: !args.api_keys.is_empty() && args.credentials_file.is_some(),
             allow_no_auth: args.allow_no_auth,
         };
+        if args.api_keys.iter().any(|k| k.trim().is_empty()) {
+            bail!(UsageError(
+                "--api-key must not be empty: an empty key would let requests without one through"
+                    .to_owned()
+            ));
+        }
         if exposure.refused() {
             bail!(UsageError(format!(
                 "refusing to serve on {} without API keys and gateway credentials: give \
