@@ -42,17 +42,3 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
-
-/// A listener whose accepted sockets send small writes at once (Nagle's algorithm off).
-/// AIP is request/response over small frames; with Nagle on, an answer waits for the peer's
-/// delayed ACK (about 40 ms on Linux).
-pub fn nodelay(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
-    use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("cannot turn Nagle's algorithm off on an accepted socket: {e}");
-        }
-    })
-}

@@ -87,15 +87,75 @@ impl ServiceListener {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         match self.bound {
-            Some(listener) => {
-                axum::serve(crate::nodelay(listener), router)
-                    .with_graceful_shutdown(shutdown)
-                    .await
-            }
+            Some(listener) => serve_http(listener, router, shutdown).await,
             None => {
                 shutdown.await;
                 Ok(())
             }
         }
     }
+}
+
+/// How long a client has to send a request's headers, the WebSocket handshake's included,
+/// from the moment it connects: a client that sends them slowly (slowloris) or not at all is
+/// disconnected then instead of holding a socket forever.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `router` on `listener` (HTTP/1.1 with upgrades, at most [`HEADER_READ_TIMEOUT`] for
+/// a request's headers) until `shutdown` completes, then lets the requests in progress
+/// finish. (`axum::serve` sets no header timeout.) Accepted sockets send small writes at once
+/// (Nagle's algorithm off): AIP is request/response over small frames, and with Nagle on an
+/// answer waits for the peer's delayed ACK (about 40 ms on Linux).
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    use tower::ServiceExt as _;
+
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before it was taken:
+                    // the listener itself is fine; pause briefly rather than spin.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!("cannot turn Nagle's algorithm off on an accepted socket: {e}");
+        }
+        let service =
+            router
+                .clone()
+                .map_request(|request: hyper::Request<hyper::body::Incoming>| {
+                    request.map(axum::body::Body::new)
+                });
+        let connection = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), TowerToHyperService::new(service))
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::trace!("connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }

@@ -360,11 +360,11 @@ impl DevServer {
             tokio::spawn(sessions.run_until(sessions_stop.clone().cancelled_owned()));
         let mut gateway_task =
             tokio::spawn(gateway.run_until(gateway_stop.clone().cancelled_owned()));
-        let mut server = tokio::spawn(
-            axum::serve(aip_runtime::nodelay(listener), router)
-                .with_graceful_shutdown(stopping.clone().cancelled_owned())
-                .into_future(),
-        );
+        let mut server = tokio::spawn(aip_runtime::listener::serve_http(
+            listener,
+            router,
+            stopping.clone().cancelled_owned(),
+        ));
 
         let failure: Option<String> = tokio::select! {
             () = shutdown => None,
