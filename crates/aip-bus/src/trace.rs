@@ -90,24 +90,24 @@ pub fn with_context(mut headers: Headers, cx: &Context) -> Headers {
 
 /// The trace context a message carries, if tracing is on and it carries one.
 pub fn extract(headers: &Headers) -> Option<Context> {
-    if !enabled() || headers.get(TRACEPARENT).is_none() {
+    if headers.get(TRACEPARENT).is_none() {
         return None;
     }
-    let cx = opentelemetry::global::get_text_map_propagator(|propagator| {
-        propagator.extract(&HeaderExtractor(headers))
-    });
-    is_valid(&cx).then_some(cx)
+    extract_from(&HeaderExtractor(headers))
 }
 
 /// The trace context of a stored or received `traceparent` value (a frame's
 /// `metadata.traceparent`), if tracing is on and the value is valid.
 pub fn from_traceparent(traceparent: &str) -> Option<Context> {
+    extract_from(&Single(traceparent))
+}
+
+fn extract_from(carrier: &dyn Extractor) -> Option<Context> {
     if !enabled() {
         return None;
     }
-    let cx = opentelemetry::global::get_text_map_propagator(|propagator| {
-        propagator.extract(&Single(traceparent))
-    });
+    let cx =
+        opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(carrier));
     is_valid(&cx).then_some(cx)
 }
 
@@ -177,6 +177,11 @@ pub fn messaging_span(
         trace_id = tracing::field::Empty,
         span_id = tracing::field::Empty,
     );
+    adopted(span, parent)
+}
+
+/// `span`, made a child of `parent` when given, with its ids recorded.
+fn adopted(span: Span, parent: Option<Context>) -> Span {
     if let Some(parent) = parent {
         let _ = span.set_parent(parent);
     }
@@ -204,6 +209,20 @@ fn record_ids(span: &Span) {
     }
 }
 
+/// The span that continues `parent` across the bus (a [`messaging_span`] child of it), or
+/// `Span::none()` when there is no trace to continue.
+pub fn continuing(
+    operation: Operation,
+    template: &str,
+    subject: &str,
+    parent: Option<Context>,
+) -> Span {
+    match parent {
+        Some(parent) => messaging_span(operation, template, subject, Some(parent)),
+        None => Span::none(),
+    }
+}
+
 /// A span for one piece of work (`name`, span kind internal unless `kind` says otherwise),
 /// child of `parent` when given, else of the current span. `Span::none()` while tracing is
 /// off.
@@ -219,11 +238,7 @@ pub fn work_span(name: &str, kind: &'static str, parent: Option<Context>) -> Spa
         trace_id = tracing::field::Empty,
         span_id = tracing::field::Empty,
     );
-    if let Some(parent) = parent {
-        let _ = span.set_parent(parent);
-    }
-    record_ids(&span);
-    span
+    adopted(span, parent)
 }
 
 /// A root span for work done for many traces at once (`name`, span kind internal), linked

@@ -179,16 +179,13 @@ async fn serve<Req, Resp, F, Fut>(
         let work = parsed.map(&handler);
         let bus = ctx.bus.clone();
         let abandon = ctx.abandon.clone();
-        let span = match aip_bus::trace::extract(&message.headers) {
-            Some(parent) => aip_bus::trace::messaging_span(
-                Operation::Serve,
-                // Registry subjects carry no ids: each is its own template.
-                &message.subject,
-                &message.subject,
-                Some(parent),
-            ),
-            None => tracing::Span::none(),
-        };
+        let span = aip_bus::trace::continuing(
+            Operation::Serve,
+            // Registry subjects carry no ids: each is its own template.
+            &message.subject,
+            &message.subject,
+            aip_bus::trace::extract(&message.headers),
+        );
         tokio::spawn(
             async move {
                 let _permit = permit;

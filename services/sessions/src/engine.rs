@@ -368,15 +368,12 @@ impl Engine {
     /// The span of a frame from the stream (`process aip.frames.{client}`), child of the
     /// gateway's publish; none while tracing is off or the frame carries no trace.
     pub(crate) fn frame_span(&self, message: &aip_bus::Message) -> tracing::Span {
-        match aip_bus::trace::extract(&message.headers) {
-            Some(parent) => aip_bus::trace::messaging_span(
-                aip_bus::trace::Operation::Process,
-                &self.subjects.template(&message.subject),
-                &message.subject,
-                Some(parent),
-            ),
-            None => tracing::Span::none(),
-        }
+        aip_bus::trace::continuing(
+            aip_bus::trace::Operation::Process,
+            &self.subjects.template(&message.subject),
+            &message.subject,
+            aip_bus::trace::extract(&message.headers),
+        )
     }
 
     /// Turns a failure of a REST or NATS request into its answer (reading the database for a
@@ -824,15 +821,12 @@ impl Engine {
     pub(crate) async fn publish_frames(&self, frames: Vec<OutFrame>) {
         let ack_subject = self.ack_subject();
         for frame in frames {
-            let span = match frame.trace {
-                Some(parent) => aip_bus::trace::messaging_span(
-                    aip_bus::trace::Operation::Publish,
-                    &self.subjects.template(&frame.subject),
-                    &frame.subject,
-                    Some(parent),
-                ),
-                None => tracing::Span::none(),
-            };
+            let span = aip_bus::trace::continuing(
+                aip_bus::trace::Operation::Publish,
+                &self.subjects.template(&frame.subject),
+                &frame.subject,
+                frame.trace,
+            );
             let publish = self.blobs.publish(
                 self.bus.as_ref(),
                 frame.subject.clone(),

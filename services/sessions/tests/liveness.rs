@@ -68,7 +68,32 @@ async fn ended(stack: &Stack, id: &str) -> Value {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
-async fn a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires(backend: Backend) {
+/// A one-step `echo` task on `target` submitted over REST, with the frames for `target`
+/// watched on the bus from before: the frames, the body (to submit another) and the task.
+async fn echo_task_watched(stack: &Stack, target: &str) -> (aip_bus::Subscription, Value, Value) {
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    let deliveries = stack
+        .bus
+        .subscribe(subjects.deliver(target))
+        .await
+        .expect("subscribe");
+    let body = json!({ "version": 1, "description": "echo", "originating_agent_id": "ops",
+        "target_id": target,
+        "steps": [[{ "tool_name": "echo", "tool_type": "action", "parameters": {} }]] });
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+    (deliveries, body, task)
+}
+
+/// A stack whose gateways go dead after 2 s of silence, with device `id` registered through
+/// a gateway that has never reported presence and never will (on `connection`, by
+/// `principal`): what the registry holds of a gateway killed with `kill -9`.
+async fn with_a_killed_gateways_device(
+    backend: Backend,
+    id: &str,
+    connection: &str,
+    principal: &str,
+) -> Stack {
     let stack = Stack::start(
         backend,
         Options {
@@ -78,12 +103,15 @@ async fn a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires(backe
     )
     .await
     .expect("stack");
-    // A device registered through a gateway that has never reported presence and never
-    // will: what the registry holds of a gateway killed with `kill -9`.
     registry_of(&stack)
-        .register(&device("orphan", "gw-killed", "gw-killed:1", "test"))
+        .register(&device(id, "gw-killed", connection, principal))
         .await
         .expect("registered");
+    stack
+}
+
+async fn a_silent_gateways_agent_fails_its_tasks_when_its_liveness_expires(backend: Backend) {
+    let stack = with_a_killed_gateways_device(backend, "orphan", "gw-killed:1", "test").await;
 
     let body = json!({ "version": 1, "description": "driven", "originating_agent_id": "ops",
         "target_id": "orphan", "driver": true });
@@ -237,17 +265,7 @@ async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(back
         .register(&device("dev", "gw-1", "gw-1:1", "lab"))
         .await
         .expect("registered");
-    let subjects = Subjects::new(&stack.prefix).expect("prefix");
-    let mut deliveries = stack
-        .bus
-        .subscribe(subjects.deliver("dev"))
-        .await
-        .expect("subscribe");
-    let body = json!({ "version": 1, "description": "echo", "originating_agent_id": "ops",
-        "target_id": "dev",
-        "steps": [[{ "tool_name": "echo", "tool_type": "action", "parameters": {} }]] });
-    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
-    assert_eq!(status, 201, "{task}");
+    let (mut deliveries, _, _) = echo_task_watched(&stack, "dev").await;
 
     // Every frame sent until one comes a second time: sent again, with the same id.
     let wait = Duration::from_secs(15);
@@ -311,31 +329,9 @@ both_backends!(a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_i
 /// its connection; the gateway holding the new one drops it and acknowledges it, and new
 /// commands reach the new connection.
 async fn a_command_for_a_dead_connection_never_reaches_the_next_one(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            liveness_ms: 2_000,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
     // The device's first connection, on a gateway killed with `kill -9`.
-    registry_of(&stack)
-        .register(&device("dev", "gw-killed", "killed:1", "anonymous"))
-        .await
-        .expect("registered");
-    let subjects = Subjects::new(&stack.prefix).expect("prefix");
-    let mut deliveries = stack
-        .bus
-        .subscribe(subjects.deliver("dev"))
-        .await
-        .expect("subscribe");
-    let body = json!({ "version": 1, "description": "echo", "originating_agent_id": "ops",
-        "target_id": "dev",
-        "steps": [[{ "tool_name": "echo", "tool_type": "action", "parameters": {} }]] });
-    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
-    assert_eq!(status, 201, "{task}");
+    let stack = with_a_killed_gateways_device(backend, "dev", "killed:1", "anonymous").await;
+    let (mut deliveries, body, task) = echo_task_watched(&stack, "dev").await;
     let old = task["task_id"].as_str().expect("an id").to_owned();
     let first = within(Duration::from_secs(10), "the command", deliveries.next())
         .await

@@ -171,12 +171,12 @@ async fn one_task_is_one_trace_across_processes() {
         envs
     };
     let (registry_port, sessions_port) = (free_port(), free_port());
-    let _registry = start(
+    let registry = start(
         binary("aip-registry"),
         &with(&[("AIP_REGISTRY__LISTEN", format!("127.0.0.1:{registry_port}"))]),
     );
     ready(format!("http://127.0.0.1:{registry_port}/readyz")).await;
-    let _sessions = start(
+    let sessions = start(
         PathBuf::from(env!("CARGO_BIN_EXE_aip-sessions")),
         &with(&[("AIP_SESSIONS__LISTEN", format!("127.0.0.1:{sessions_port}"))]),
     );
@@ -419,7 +419,10 @@ async fn one_task_is_one_trace_across_processes() {
     );
     assert!(by_service.len() >= 3, "{by_service:?}");
 
+    // The processes stop before their database goes.
     drop(gateways);
+    drop(sessions);
+    drop(registry);
     server.abort();
     database.cleanup().await;
 }
