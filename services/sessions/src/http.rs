@@ -1320,16 +1320,20 @@ fn task_request_rules(document: &mut OpenApi) {
     }
 }
 
-/// The rule of a handoff body that its type cannot say: a target or at least one capability.
-fn handoff_rules(document: &mut OpenApi) {
-    use utoipa::openapi::schema::{
-        AllOfBuilder, AnyOfBuilder, ArrayBuilder, ObjectBuilder, Schema, Type,
-    };
+/// Narrows the JSON body of `POST path` to `schema` (by name) and also `rule`: a rule its
+/// type cannot say.
+fn restrict_body(
+    document: &mut OpenApi,
+    path: &str,
+    schema: &str,
+    rule: utoipa::openapi::schema::AnyOfBuilder,
+) {
+    use utoipa::openapi::schema::AllOfBuilder;
     use utoipa::openapi::{Ref, RefOr};
     let Some(RefOr::T(body)) = document
         .paths
         .paths
-        .get_mut("/api/tasks/{id}/handoff")
+        .get_mut(path)
         .and_then(|item| item.post.as_mut())
         .and_then(|post| post.request_body.as_mut())
     else {
@@ -1338,6 +1342,17 @@ fn handoff_rules(document: &mut OpenApi) {
     let Some(RefOr::T(content)) = body.content.get_mut("application/json") else {
         return;
     };
+    content.schema = Some(
+        AllOfBuilder::new()
+            .item(Ref::from_schema_name(schema))
+            .item(rule)
+            .into(),
+    );
+}
+
+/// The rule of a handoff body that its type cannot say: a target or at least one capability.
+fn handoff_rules(document: &mut OpenApi) {
+    use utoipa::openapi::schema::{AnyOfBuilder, ArrayBuilder, ObjectBuilder, Schema, Type};
     let target = ObjectBuilder::new()
         .property("target_id", ObjectBuilder::new().schema_type(Type::String))
         .required("target_id")
@@ -1355,30 +1370,12 @@ fn handoff_rules(document: &mut OpenApi) {
         .item(Schema::Object(target))
         .item(Schema::Object(capabilities))
         .description(Some("a target or at least one capability"));
-    content.schema = Some(
-        AllOfBuilder::new()
-            .item(Ref::from_schema_name("HandoffBody"))
-            .item(where_to)
-            .into(),
-    );
+    restrict_body(document, "/api/tasks/{id}/handoff", "HandoffBody", where_to);
 }
 
 /// The rules of a dispatch body that its type cannot say: `planner` only without `steps`.
 fn dispatch_rules(document: &mut OpenApi) {
-    use utoipa::openapi::schema::{AllOfBuilder, AnyOfBuilder, ObjectBuilder, Schema, Type};
-    use utoipa::openapi::{Ref, RefOr};
-    let Some(RefOr::T(body)) = document
-        .paths
-        .paths
-        .get_mut("/api/dispatch")
-        .and_then(|item| item.post.as_mut())
-        .and_then(|post| post.request_body.as_mut())
-    else {
-        return;
-    };
-    let Some(RefOr::T(content)) = body.content.get_mut("application/json") else {
-        return;
-    };
+    use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Schema, Type};
     let absent = |name: &str| {
         Schema::Object(
             ObjectBuilder::new()
@@ -1390,12 +1387,7 @@ fn dispatch_rules(document: &mut OpenApi) {
         .item(absent("planner"))
         .item(absent("steps"))
         .description(Some("`planner` only without `steps`"));
-    content.schema = Some(
-        AllOfBuilder::new()
-            .item(Ref::from_schema_name("DispatchRequest"))
-            .item(one_plan)
-            .into(),
-    );
+    restrict_body(document, "/api/dispatch", "DispatchRequest", one_plan);
 }
 
 /// Links from the answers that name a task to the routes about that task, so a client (or a
