@@ -90,9 +90,7 @@ pub fn with_context(mut headers: Headers, cx: &Context) -> Headers {
 
 /// The trace context a message carries, if tracing is on and it carries one.
 pub fn extract(headers: &Headers) -> Option<Context> {
-    if headers.get(TRACEPARENT).is_none() {
-        return None;
-    }
+    headers.get(TRACEPARENT)?;
     extract_from(&HeaderExtractor(headers))
 }
 

@@ -5,7 +5,9 @@
 //! - [`runner`]: the one `main` of every service binary;
 //! - [`listener`]: a service's own listener, or none when `aip dev` embeds it;
 //! - [`health`]: `/healthz` and `/readyz`, one body shape everywhere;
-//! - [`api_keys`]: REST API keys (`X-API-Key` or `Authorization: Bearer`);
+//! - [`api_keys`]: REST API keys (`X-API-Key` or `Authorization: Bearer`) and the callers
+//!   they name, operators or limited principals;
+//! - [`patterns`]: id patterns (exact, or a prefix ending in `*`) of credentials and principals;
 //! - [`settings`]: layered configuration (embedded defaults, optional file, `AIP_…` environment);
 //! - [`telemetry`]: tracing initialised in one place;
 //! - [`shutdown`]: SIGINT/SIGTERM as a future, for graceful drain;
@@ -18,6 +20,7 @@ pub mod health;
 pub mod listener;
 pub mod metrics;
 pub mod origin;
+pub mod patterns;
 pub mod runner;
 pub mod service;
 pub mod settings;

@@ -180,6 +180,8 @@ pub struct Options {
     pub llm: aip_sessions::settings::LlmSettings,
     /// Any other change to the session service's settings.
     pub sessions_settings: Option<fn(&mut aip_sessions::SessionSettings)>,
+    /// The session service's principals file contents (TOML), if any.
+    pub principals: Option<String>,
 }
 
 impl Default for Options {
@@ -197,6 +199,7 @@ impl Default for Options {
             planner: aip_sessions::SessionSettings::default().planner,
             llm: aip_sessions::SessionSettings::default().llm,
             sessions_settings: None,
+            principals: None,
         }
     }
 }
@@ -321,6 +324,14 @@ impl Stack {
             settings.sessions.llm = options.llm.clone();
             if let Some(configure) = options.sessions_settings {
                 configure(&mut settings.sessions);
+            }
+            if let Some(text) = &options.principals {
+                let path = std::env::temp_dir().join(format!(
+                    "aip-principals-{}.toml",
+                    uuid::Uuid::new_v4().simple()
+                ));
+                std::fs::write(&path, text)?;
+                settings.sessions.principals_file = Some(path);
             }
             let db = stack.connect_db().await?;
             let app = aip_sessions::Application::build(settings, bus.clone(), db)

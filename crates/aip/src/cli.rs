@@ -90,6 +90,10 @@ pub struct DevArgs {
     /// Gateway credentials file (TOML: tokens and the client ids they may register as).
     #[arg(long)]
     pub credentials_file: Option<PathBuf>,
+    /// Principals file (TOML: API keys limited to their own requesters, devices and quotas;
+    /// see README "Security"), accepted on the session service's routes beside --api-key.
+    #[arg(long)]
+    pub principals_file: Option<PathBuf>,
     /// Serve without API keys and credentials on a non-loopback address (trusted networks).
     #[arg(long)]
     pub allow_no_auth: bool,

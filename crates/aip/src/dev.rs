@@ -171,7 +171,8 @@ impl DevServer {
     pub async fn build(args: &DevArgs) -> anyhow::Result<Self> {
         let exposure = Exposure {
             listen: args.listen,
-            secured: !args.api_keys.is_empty() && args.credentials_file.is_some(),
+            secured: (!args.api_keys.is_empty() || args.principals_file.is_some())
+                && args.credentials_file.is_some(),
             allow_no_auth: args.allow_no_auth,
         };
         if args.api_keys.iter().any(|k| k.trim().is_empty()) {
@@ -251,6 +252,9 @@ impl DevServer {
         sessions.subject_prefix = args.subject_prefix.clone();
         sessions.sessions.listen = addr;
         sessions.sessions.api_keys = args.api_keys.clone();
+        if let Some(path) = &args.principals_file {
+            sessions.sessions.principals_file = Some(path.clone());
+        }
         sessions.sessions.allow_no_auth = args.allow_no_auth;
         if !args.allowed_origins.is_empty() {
             sessions.sessions.allowed_origins = args.allowed_origins.clone();
@@ -610,6 +614,7 @@ mod tests {
             subject_prefix: "aip".into(),
             api_keys: vec!["k".into()],
             credentials_file: None,
+            principals_file: None,
             allow_no_auth: false,
             allowed_origins: Vec::new(),
             config: None,

@@ -965,7 +965,8 @@ fn task_of_frame(
         priority: frame
             .metadata_value("priority")
             .and_then(serde_json::Value::as_i64)
-            .map(|p| p as i32)
+            // Out of range: the nearest i32, which the priority ceiling then judges.
+            .map(|p| i32::try_from(p).unwrap_or(if p < 0 { i32::MIN } else { i32::MAX }))
             .unwrap_or(0),
         callback_url: None,
         timeout_secs: frame

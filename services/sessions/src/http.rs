@@ -13,7 +13,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use aip_runtime::api_error::{self, ApiError, JsonBody, Path, Query};
-use aip_runtime::api_keys::{self, ApiKeys};
+use aip_runtime::api_keys::{self, ApiKeys, Caller};
 use aip_runtime::health::{self, Check, CheckName, Probes, Readiness, Role};
 use aip_runtime::origin::OriginPolicy;
 use axum::extract::State;
@@ -36,9 +36,9 @@ use utoipa_axum::routes;
 use crate::engine::{
     Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
 };
-use crate::machine::{Answer, Answerer};
+use crate::machine::{Allowance, Answer, Answerer};
 use crate::store::{ListFilter, NUL, StoreError, storable};
-use crate::task::rfc3339;
+use crate::task::{Task, rfc3339};
 use crate::workers::new_task_from_request;
 
 impl From<StoreError> for ApiError {
@@ -128,6 +128,8 @@ async fn ready(State(engine): State<Engine>) -> Readiness {
 
 /// The 404 of the routes about one task.
 const NO_TASK: &str = "no task with this id";
+/// The 429 of the routes that start a task.
+const QUOTA_FULL: &str = "its requester already has as many live tasks as its quota allows (RATE_LIMITED; sessions.max_live_tasks_per_requester, or the key's max_live_tasks)";
 /// The 503 of every route that reads or writes the task database.
 const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable; retry";
 
@@ -154,22 +156,71 @@ const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable;
         (status = 404, description = "the target device is not online (DEVICE_NOT_FOUND)", body = ErrorBody),
         (status = 409, description = "the task id is taken", body = ErrorBody),
         (status = 422, description = "no available agent has the capabilities (CAPABILITY_MISMATCH)", body = ErrorBody),
+        (status = 429, description = QUOTA_FULL, body = ErrorBody),
         (status = 503, description = DATABASE_DOWN, body = ErrorBody),
     )
 )]
 async fn create_task(
     State(engine): State<Engine>,
+    caller: Caller,
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Response, ApiError> {
     let request: TaskRequest = read_body(whole_numbers(body, WHOLE_NUMBER_FIELDS))?;
-    let new = new_task_from_request(
+    caller.check_acts_for(&request.originating_agent_id)?;
+    caller.check_target(request.target_id.as_deref())?;
+    let mut new = new_task_from_request(
         request,
         Requester::Rest,
         engine.planners(),
         engine.callbacks(),
     )?;
+    new.allowance = allowance(&caller);
     let started = engine.submit(new).await?;
     Ok((StatusCode::CREATED, Json(started.task.view())).into_response())
+}
+
+/// What `caller`'s tasks may ask of the service: an operator is held to no per-requester
+/// quota or priority ceiling; a limited key to its own, or the service's.
+fn allowance(caller: &Caller) -> Allowance {
+    match caller.limits() {
+        None => Allowance::Operator,
+        Some(limits) => Allowance::Requester {
+            max_live: limits.max_live_tasks,
+            max_priority: limits.max_priority,
+        },
+    }
+}
+
+/// The task `id`, when `caller` may act for its requester (else 403).
+async fn readable_task(engine: &Engine, caller: &Caller, id: &str) -> Result<Task, ApiError> {
+    possible_id(id)?;
+    let task = engine.store.get(id).await?.ok_or_else(|| not_found(id))?;
+    allowed(caller, id, task.requester.id())?;
+    Ok(task)
+}
+
+/// Before a change of task `id`: `Ok` when `caller` is an operator or acts for its requester.
+async fn changeable_task(engine: &Engine, caller: &Caller, id: &str) -> Result<(), ApiError> {
+    possible_id(id)?;
+    if caller.limits().is_none() {
+        return Ok(());
+    }
+    let requester = engine.store.owner(id).await?.ok_or_else(|| not_found(id))?;
+    allowed(caller, id, &requester)
+}
+
+/// The 403 of a task whose requester `caller` does not act for.
+fn allowed(caller: &Caller, id: &str, requester: &str) -> Result<(), ApiError> {
+    if caller.may_act_for(requester) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::Forbidden,
+        format!(
+            "key `{}` may not act on task '{id}': its requester is not one the key acts for",
+            caller.name()
+        ),
+    ))
 }
 
 /// The whole-number fields of a [`TaskRequest`].
@@ -295,8 +346,24 @@ fn parse_cursor(cursor: &str) -> Option<(i64, String)> {
 )]
 async fn list_tasks(
     State(engine): State<Engine>,
-    Query(q): Query<ListQuery>,
+    caller: Caller,
+    Query(mut q): Query<ListQuery>,
 ) -> Result<Json<TaskPage>, ApiError> {
+    if caller.limits().is_some() {
+        match (&q.requester, caller.only_requester()) {
+            (Some(requester), _) => caller.check_acts_for(requester)?,
+            (None, Some(only)) => q.requester = Some(only.to_owned()),
+            (None, None) => {
+                return Err(ApiError::new(
+                    ErrorCode::Forbidden,
+                    format!(
+                        "key `{}` acts for several requesters: give `requester` (one of them)",
+                        caller.name()
+                    ),
+                ));
+            }
+        }
+    }
     let state = match &q.state {
         None => None,
         Some(state) => Some(
@@ -357,10 +424,10 @@ async fn list_tasks(
 )]
 async fn get_task(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<TaskView>, ApiError> {
-    possible_id(&id)?;
-    let task = engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    let task = readable_task(&engine, &caller, &id).await?;
     Ok(Json(task.view()))
 }
 
@@ -441,13 +508,13 @@ struct TaskEvents {
 )]
 async fn task_events(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
     Query(q): Query<EventsQuery>,
 ) -> Result<Json<TaskEvents>, ApiError> {
     let after = q.after()?;
     let limit = i64::from(q.limit.unwrap_or(DEFAULT_EVENTS).clamp(1, MAX_EVENTS));
-    possible_id(&id)?;
-    engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    readable_task(&engine, &caller, &id).await?;
     let events = engine.store.events(&id, after, limit).await?;
     Ok(Json(TaskEvents {
         task_id: id,
@@ -522,10 +589,10 @@ struct TaskCallbacks {
 )]
 async fn task_callbacks(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<TaskCallbacks>, ApiError> {
-    possible_id(&id)?;
-    engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    readable_task(&engine, &caller, &id).await?;
     let (callbacks, attempts) = engine.store.callbacks(&id).await?;
     let callbacks = callbacks
         .into_iter()
@@ -583,10 +650,10 @@ struct Redelivered {
 )]
 async fn redeliver_callbacks(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<Redelivered>), ApiError> {
-    possible_id(&id)?;
-    engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    readable_task(&engine, &caller, &id).await?;
     let requeued = engine.store.redeliver_callbacks(&id).await?;
     if requeued == 0 {
         return Err(ApiError::new(
@@ -624,13 +691,13 @@ async fn redeliver_callbacks(
 )]
 async fn task_event_stream(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
     Query(q): Query<EventsQuery>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let after = q.after()?;
-    possible_id(&id)?;
-    engine.store.get(&id).await?.ok_or_else(|| not_found(&id))?;
+    readable_task(&engine, &caller, &id).await?;
     let last_id = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
@@ -726,10 +793,11 @@ struct CancelBody {
 )]
 async fn cancel_task(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
     body: Option<JsonBody<Value>>,
 ) -> Result<Json<TaskView>, ApiError> {
-    possible_id(&id)?;
+    changeable_task(&engine, &caller, &id).await?;
     let body: Option<CancelBody> = match body {
         Some(JsonBody(body)) => read_body(body)?,
         None => None,
@@ -799,10 +867,11 @@ struct CommandResults {
 )]
 async fn send_commands(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Json<CommandResults>, ApiError> {
-    possible_id(&id)?;
+    changeable_task(&engine, &caller, &id).await?;
     let body: CommandsBody = read_body(body)?;
     if body.actions.is_empty() {
         return Err(ApiError::invalid("`actions` must not be empty"));
@@ -887,10 +956,11 @@ struct CompleteBody {
 )]
 async fn complete_task(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Json<TaskView>, ApiError> {
-    possible_id(&id)?;
+    changeable_task(&engine, &caller, &id).await?;
     let body: CompleteBody = read_body(body)?;
     let task = engine.complete(&id, body.result, body.error).await?;
     Ok(Json(task.view()))
@@ -937,10 +1007,11 @@ struct AnswerBody {
 )]
 async fn answer_clarification(
     State(engine): State<Engine>,
+    caller: Caller,
     Path((id, clarification_id)): Path<(String, String)>,
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Json<TaskView>, ApiError> {
-    possible_id(&id)?;
+    changeable_task(&engine, &caller, &id).await?;
     let body: AnswerBody = read_body(body)?;
     let answer = Answer {
         clarification_id,
@@ -996,11 +1067,13 @@ struct HandoffBody {
 )]
 async fn handoff_task(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<Value>,
 ) -> Result<Json<TaskView>, ApiError> {
-    possible_id(&id)?;
+    changeable_task(&engine, &caller, &id).await?;
     let body: HandoffBody = read_body(body)?;
+    caller.check_target(body.target_id.as_deref())?;
     let to = match body.target_id {
         Some(target) => Placement::Target(target),
         None => Placement::Capabilities(body.required_capabilities),
@@ -1064,11 +1137,13 @@ struct Dispatched {
         (status = 404, description = "Client not online", body = ErrorBody),
         (status = 409, description = "a task with this name is live", body = ErrorBody),
         (status = 422, description = "the body is not a JSON object", body = ErrorBody),
+        (status = 429, description = QUOTA_FULL, body = ErrorBody),
         (status = 503, description = DATABASE_DOWN, body = ErrorBody),
     )
 )]
 async fn ufo_dispatch(
     State(engine): State<Engine>,
+    caller: Caller,
     JsonBody(mut body): JsonBody<Value>,
 ) -> Result<Json<Dispatched>, ApiError> {
     storable(&mut body);
@@ -1085,6 +1160,7 @@ async fn ufo_dispatch(
     if client_id.is_empty() {
         return Err(ApiError::invalid("Empty client ID"));
     }
+    caller.check_target(Some(&client_id))?;
     let task_name = match object.get("task_name") {
         None => None,
         Some(Value::String(name)) if valid_task_name(name) => Some(name.clone()),
@@ -1118,9 +1194,10 @@ async fn ufo_dispatch(
     let new = NewTask {
         task_name,
         ufo_dispatch: true,
+        allowance: allowance(&caller),
         ..NewTask::new(
             request,
-            Requester::Rest("dispatch".to_owned()),
+            Requester::Rest(caller.requester_or("dispatch").to_owned()),
             Placement::Target(client_id.clone()),
             plan,
         )
@@ -1175,6 +1252,7 @@ enum UfoTaskResult {
 )]
 async fn ufo_task_result(
     State(engine): State<Engine>,
+    caller: Caller,
     Path(task_name): Path<String>,
 ) -> Result<Json<UfoTaskResult>, ApiError> {
     if !valid_task_name(&task_name) {
@@ -1185,6 +1263,7 @@ async fn ufo_task_result(
         .get_by_name(&task_name)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no task named '{task_name}'")))?;
+    allowed(&caller, &task.task_id, task.requester.id())?;
     let state = task.state();
     if !state.is_terminal() {
         return Ok(Json(UfoTaskResult::Pending));

@@ -47,6 +47,8 @@ pub struct Application {
     listener: ServiceListener,
     engine: Engine,
     settings: Settings,
+    /// The keys accepted on `/api/*`, with the callers they name.
+    keys: ApiKeys,
     applier: engine::Applier,
     /// This replica's delivery acknowledgements, subscribed before anything is published.
     acks: aip_bus::Subscription,
@@ -77,7 +79,7 @@ impl Application {
         let s = &self.settings.sessions;
         http::router(
             self.engine.clone(),
-            ApiKeys::new(&s.api_keys),
+            self.keys.clone(),
             OriginPolicy::new(&s.allowed_origins, s.listen),
         )
     }
@@ -131,7 +133,7 @@ impl Application {
         tracing::info!(%addr, "session service listening");
         let app = http::router(
             engine,
-            ApiKeys::new(&s.api_keys),
+            self.keys.clone(),
             OriginPolicy::new(&s.allowed_origins, s.listen),
         );
         let token = stop.clone();
@@ -170,6 +172,7 @@ impl runner::Service for Application {
         aip_runtime::metrics::install();
         let db = runner::require_database(ServiceName::Sessions, database)?;
         let subjects = settings.validate()?;
+        let keys = settings.sessions.api_keys()?;
         db.migrate().await?;
         let store = store::TaskStore::new(db);
         let planners =
@@ -200,6 +203,7 @@ impl runner::Service for Application {
             listener,
             engine,
             settings,
+            keys,
             applier,
             acks,
         })

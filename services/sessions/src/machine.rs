@@ -69,6 +69,32 @@ pub struct NewTask {
     pub timeout_secs: Option<u64>,
     /// A UFO `POST /api/dispatch`: the device is sent a server `task` frame and echoes it.
     pub ufo_dispatch: bool,
+    /// What its requester may ask of the service.
+    pub allowance: Allowance,
+}
+
+/// What a requester may ask of the service beyond what every task may: how many live tasks
+/// it holds and how high a priority it gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allowance {
+    /// An operator (a plain API key, or REST without keys): no quota, any priority.
+    Operator,
+    /// Everyone else (clients, NATS, limited keys): the service's
+    /// `max_live_tasks_per_requester` and `max_client_priority`, or these when given.
+    Requester {
+        /// Live tasks per requester id at most.
+        max_live: Option<usize>,
+        /// The highest priority.
+        max_priority: Option<i32>,
+    },
+}
+
+impl Allowance {
+    /// The service's quota and ceiling.
+    pub const DEFAULT: Allowance = Allowance::Requester {
+        max_live: None,
+        max_priority: None,
+    };
 }
 
 impl NewTask {
@@ -88,6 +114,7 @@ impl NewTask {
             callback_on: Vec::new(),
             timeout_secs: None,
             ufo_dispatch: false,
+            allowance: Allowance::DEFAULT,
         }
     }
 }
@@ -165,6 +192,8 @@ pub struct Machine {
     /// Client id → live tasks it takes part in (as a client requester or as executor).
     clients: HashMap<String, HashSet<String>>,
     executors: HashMap<String, Load>,
+    /// Requester id → its live tasks (for the per-requester quota).
+    live_per_requester: HashMap<String, usize>,
     tombstones: Tombstones,
     /// Remote planning asked for: task → when.
     planning: HashMap<String, i64>,
@@ -182,6 +211,7 @@ impl Machine {
             tasks: HashMap::with_capacity(live.len()),
             clients: HashMap::new(),
             executors: HashMap::new(),
+            live_per_requester: HashMap::new(),
             tombstones: Tombstones::default(),
             planning: HashMap::new(),
             pending: Pending::default(),
@@ -191,6 +221,7 @@ impl Machine {
         let mut unplanned = Vec::new();
         for task in live {
             core.index(&task);
+            core.count_live(task.requester.id(), true);
             if task.waiting == Waiting::Plan {
                 unplanned.push(task.task_id.clone());
             }
@@ -240,6 +271,7 @@ impl Machine {
             if self.tasks.get(id).is_some_and(|t| t.state().is_terminal())
                 && let Some(task) = self.tasks.remove(id)
             {
+                self.count_live(task.requester.id(), false);
                 self.tombstones.add(&task.task_id, task.requester.id(), now);
             }
         }
@@ -279,6 +311,60 @@ impl Machine {
             state if !state.is_terminal() => entry.running += 1,
             _ => {}
         }
+    }
+
+    /// One more (`true`) or one fewer live task of `requester`.
+    fn count_live(&mut self, requester: &str, more: bool) {
+        if more {
+            *self
+                .live_per_requester
+                .entry(requester.to_owned())
+                .or_default() += 1;
+        } else if let Some(count) = self.live_per_requester.get_mut(requester) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.live_per_requester.remove(requester);
+            }
+        }
+    }
+
+    /// Refuses a task its requester's allowance does not cover: a priority above its ceiling,
+    /// or one live task more than its quota.
+    fn check_allowance(&self, new: &NewTask) -> Result<(), Refusal> {
+        let Allowance::Requester {
+            max_live,
+            max_priority,
+        } = new.allowance
+        else {
+            return Ok(());
+        };
+        let ceiling = max_priority.unwrap_or(self.settings.max_client_priority);
+        if new.priority > ceiling {
+            return Err(Refusal::now(
+                ErrorCode::Forbidden,
+                format!(
+                    "priority {} is above the ceiling of {ceiling} for `{}` (sessions.max_client_priority, or its key's max_priority)",
+                    new.priority,
+                    new.requester.id()
+                ),
+            ));
+        }
+        let quota = max_live.unwrap_or(self.settings.max_live_tasks_per_requester);
+        let live = self
+            .live_per_requester
+            .get(new.requester.id())
+            .copied()
+            .unwrap_or(0);
+        if live >= quota {
+            return Err(Refusal::now(
+                ErrorCode::RateLimited,
+                format!(
+                    "`{}` already has {live} live tasks, its quota (sessions.max_live_tasks_per_requester, or its key's max_live_tasks); retry when one ends",
+                    new.requester.id()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn unindex_client(&mut self, client: &str, task_id: &str) {
@@ -461,6 +547,7 @@ impl Machine {
                 ),
             ));
         }
+        self.check_allowance(&new)?;
         let executor = self.choose(&new, candidates)?;
         let now = now_ms();
         let timeout = new
@@ -514,6 +601,7 @@ impl Machine {
         });
         self.event(&mut task, EventKind::Submitted, Some(data));
         self.index(&task);
+        self.count_live(task.requester.id(), true);
         let task_id = task.task_id.clone();
         self.tasks.insert(task_id.clone(), task);
         self.touch(&task_id);
@@ -1795,6 +1883,7 @@ mod tests {
                 callback_on: Vec::new(),
                 timeout_secs: None,
                 ufo_dispatch: false,
+                allowance: Allowance::Operator,
             },
             candidates: vec![aip_testkit::device_record(executor)],
             existing_owner: None,

@@ -60,6 +60,17 @@ pub struct SessionSettings {
     /// Live (not ended) tasks the leader holds in memory at most; beyond it new tasks are
     /// refused with UNAVAILABLE until some end.
     pub max_live_tasks: usize,
+    /// Live tasks one requester id (a constellation, a NATS or REST requester) holds at most;
+    /// beyond it its new tasks are refused with RATE_LIMITED. Operator keys are not held to
+    /// it; a principal's `max_live_tasks` replaces it for that key.
+    pub max_live_tasks_per_requester: usize,
+    /// The highest `priority` a requester may give a task (a higher one is refused with
+    /// FORBIDDEN); operator keys may give any, a principal's `max_priority` replaces it.
+    pub max_client_priority: i32,
+    /// A TOML file of principals: API keys limited to the requesters they act for, the
+    /// devices they target, and quotas (see README, "Security"). Its keys are accepted beside
+    /// `api_keys`.
+    pub principals_file: Option<std::path::PathBuf>,
     /// Changes written in one transaction at most (group commit).
     pub max_batch: usize,
     /// How often a standby replica tries to become the leader.
@@ -196,6 +207,9 @@ impl Default for SessionSettings {
             request_timeout_ms: 5_000,
             max_in_flight: 1024,
             max_live_tasks: 100_000,
+            max_live_tasks_per_requester: 1_000,
+            max_client_priority: 0,
+            principals_file: None,
             max_batch: 2_000,
             standby_retry_ms: 1_000,
             leader_lease_ms: 5_000,
@@ -252,7 +266,7 @@ impl ServiceSettings for Settings {
     fn exposure(&self) -> Exposure {
         Exposure {
             listen: self.sessions.listen,
-            secured: !self.sessions.api_keys.is_empty(),
+            secured: !self.sessions.api_keys.is_empty() || self.sessions.principals_file.is_some(),
             allow_no_auth: self.sessions.allow_no_auth,
         }
     }
@@ -270,11 +284,26 @@ impl ServiceSettings for Settings {
                 format!("leader_lease_ms must be at least {MIN_LEADER_LEASE_MS}"),
             ));
         }
+        if self.sessions.max_live_tasks_per_requester < 1 {
+            return Err(StartError::invalid(
+                ServiceName::Sessions,
+                "max_live_tasks_per_requester must be at least 1",
+            ));
+        }
+        self.sessions.api_keys()?;
         crate::planners::Planners::check(&self.sessions, &|name| std::env::var(name).ok())
             .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
         crate::callbacks::Callbacks::new(&self.sessions)
             .map_err(|e| StartError::invalid(ServiceName::Sessions, e))?;
         Ok(())
+    }
+}
+
+impl SessionSettings {
+    /// The keys accepted on `/api/*`: `api_keys` (operators) and the principals file's.
+    pub fn api_keys(&self) -> Result<aip_runtime::api_keys::ApiKeys, StartError> {
+        aip_runtime::api_keys::ApiKeys::load(&self.api_keys, self.principals_file.as_deref())
+            .map_err(|e| StartError::invalid(ServiceName::Sessions, e.to_string()))
     }
 }
 
