@@ -242,6 +242,8 @@ pub struct Engine {
     standby: Arc<AtomicBool>,
     /// The frames consumer's progress, for readiness.
     pub frames: Arc<FramesProgress>,
+    /// REST requests waiting for tasks' next events, woken by the leader's commits.
+    pub watch: crate::watch::EventWatch,
     published: Arc<std::sync::Mutex<Vec<String>>>,
     /// This replica (unique per process): its lease holder id and the token of its
     /// delivery-acknowledgement subject.
@@ -270,6 +272,7 @@ impl Engine {
             subjects.clone(),
             Duration::from_millis(settings.request_timeout_ms),
         );
+        let watch = crate::watch::EventWatch::new(settings.max_event_watchers);
         let engine = Engine {
             store,
             registry,
@@ -283,6 +286,7 @@ impl Engine {
             leading: Arc::new(AtomicBool::new(false)),
             standby: Arc::new(AtomicBool::new(false)),
             frames: Arc::default(),
+            watch,
             published: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
         };
@@ -1275,6 +1279,9 @@ impl Leader<'_> {
             return Err(());
         }
         self.core.committed(&pending);
+        self.engine
+            .watch
+            .committed(pending.batch.events.iter().map(|e| e.task_id.as_str()));
         metrics::gauge!("aip_sessions_live_tasks").set(self.core.live() as f64);
         for waiter in std::mem::replace(&mut self.waiters, next_waiters) {
             waiter.succeed();

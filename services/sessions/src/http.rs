@@ -39,6 +39,7 @@ use crate::engine::{
 use crate::machine::{Allowance, Answer, Answerer};
 use crate::store::{ListFilter, NUL, StoreError, storable};
 use crate::task::{Task, rfc3339};
+use crate::watch::Watcher;
 use crate::workers::new_task_from_request;
 
 impl From<StoreError> for ApiError {
@@ -128,6 +129,8 @@ async fn ready(State(engine): State<Engine>) -> Readiness {
 
 /// The 404 of the routes about one task.
 const NO_TASK: &str = "no task with this id";
+/// The 429 of the routes that wait for a task's events.
+const WATCHERS_FULL: &str = "as many requests as allowed already wait for task events (RATE_LIMITED; sessions.max_event_watchers)";
 /// The 429 of the routes that start a task.
 const QUOTA_FULL: &str = "its requester already has as many live tasks as its quota allows (RATE_LIMITED; sessions.max_live_tasks_per_requester, or the key's max_live_tasks)";
 /// The 503 of every route that reads or writes the task database.
@@ -468,8 +471,9 @@ const DEFAULT_EVENTS: u32 = 1000;
 const MAX_EVENTS: u32 = 10_000;
 /// Events read per query while streaming.
 const STREAM_BATCH: i64 = 100;
-/// How often a stream looks for new events.
-const STREAM_POLL: Duration = Duration::from_millis(200);
+/// How long a stream waits for a wake-up before it reads again anyway (a standby replica is
+/// never woken: it reads at this pace).
+const STREAM_FALLBACK: Duration = Duration::from_secs(1);
 
 impl EventsQuery {
     /// `after`, refused when negative (sequence numbers start at 1).
@@ -686,6 +690,7 @@ async fn redeliver_callbacks(
         (status = 200, description = "an event stream, one event per log entry", content_type = "text/event-stream", body = StreamedEvent),
         (status = 400, description = "a negative `after`", body = ErrorBody),
         (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 429, description = WATCHERS_FULL, body = ErrorBody),
         (status = 503, description = DATABASE_DOWN, body = ErrorBody),
     )
 )]
@@ -703,36 +708,50 @@ async fn task_event_stream(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<i64>().ok());
     let after = last_id.unwrap_or(after);
+    let watcher = engine.watch.watch(&id)?;
     let stream = futures::stream::unfold(
-        (engine, id, after, false),
-        |(engine, id, after, done)| async move {
+        (engine, watcher, id, after, false),
+        |(engine, watcher, id, after, done)| async move {
             if done {
                 return None;
             }
-            loop {
-                match engine.store.events(&id, after, STREAM_BATCH).await {
-                    Ok(events) if !events.is_empty() => {
-                        let last: &TaskEvent = events.last()?;
-                        let next_after = last.seq;
-                        let finished = last.state.is_terminal();
-                        let batch: Vec<Result<Event, Infallible>> =
-                            events.iter().filter_map(sse_event).map(Ok).collect();
-                        return Some((
-                            futures::stream::iter(batch),
-                            (engine, id, next_after, finished),
-                        ));
-                    }
-                    Ok(_) => tokio::time::sleep(STREAM_POLL).await,
-                    Err(e) => {
-                        tracing::warn!("event stream read failed: {e}");
-                        return None;
-                    }
+            let events = match next_events(&engine, &watcher, &id, after, STREAM_FALLBACK).await {
+                Ok(events) => events,
+                Err(e) => {
+                    tracing::warn!("event stream read failed: {e}");
+                    return None;
                 }
-            }
+            };
+            let last: &TaskEvent = events.last()?;
+            let next_after = last.seq;
+            let finished = last.state.is_terminal();
+            let batch: Vec<Result<Event, Infallible>> =
+                events.iter().filter_map(sse_event).map(Ok).collect();
+            Some((
+                futures::stream::iter(batch),
+                (engine, watcher, id, next_after, finished),
+            ))
         },
     );
     use futures::StreamExt;
     Ok(Sse::new(stream.flatten()).keep_alive(KeepAlive::default()))
+}
+
+/// Task `id`'s events after `after` (at least one): read now, else once the leader commits
+/// the next ones (or after `fallback`, on a standby replica).
+async fn next_events(
+    engine: &Engine,
+    watcher: &Watcher,
+    id: &str,
+    after: i64,
+    fallback: Duration,
+) -> Result<Vec<TaskEvent>, StoreError> {
+    watcher
+        .next(fallback, move || async move {
+            let events = engine.store.events(id, after, STREAM_BATCH).await?;
+            Ok((!events.is_empty()).then_some(events))
+        })
+        .await
 }
 
 /// One Server-Sent Event of `GET /api/tasks/{id}/events/stream`, as the document describes it
@@ -832,8 +851,8 @@ struct CommandsBody {
 const DEFAULT_COMMAND_WAIT_SECS: u32 = 60;
 /// Longest wait for a command's results: a REST caller should not hold a request longer.
 const MAX_COMMAND_WAIT_SECS: u32 = 600;
-/// How often the wait looks for the results.
-const COMMAND_POLL: Duration = Duration::from_millis(50);
+/// How long the wait for results waits for a wake-up before it reads again anyway.
+const COMMAND_FALLBACK: Duration = Duration::from_secs(1);
 
 /// The results of one `POST /api/tasks/{id}/commands`.
 #[derive(Debug, Serialize, ToSchema)]
@@ -861,6 +880,7 @@ struct CommandResults {
         (status = 400, description = "no actions, or an invalid body", body = ErrorBody),
         (status = 404, description = NO_TASK, body = ErrorBody),
         (status = 409, description = "not a driver task, not running, a command still pending, or the task ended before the results came", body = ErrorBody),
+        (status = 429, description = WATCHERS_FULL, body = ErrorBody),
         (status = 503, description = DATABASE_DOWN, body = ErrorBody),
         (status = 504, description = "no results in time (TASK_TIMEOUT); the command stays pending", body = ErrorBody),
     )
@@ -887,11 +907,22 @@ async fn send_commands(
         process_name: body.process_name,
         root_name: body.root_name,
     };
+    let watcher = engine.watch.watch(&id)?;
     let (response_id, sent_seq) = engine.send_commands(&id, step).await?;
     let deadline = tokio::time::Instant::now() + wait;
     let mut after = sent_seq;
     loop {
-        for event in engine.store.events(&id, after, STREAM_BATCH).await? {
+        let next = next_events(&engine, &watcher, &id, after, COMMAND_FALLBACK);
+        let Ok(events) = tokio::time::timeout_at(deadline, next).await else {
+            return Err(ApiError::new(
+                ErrorCode::TaskTimeout,
+                format!(
+                    "no results for command `{response_id}` within {} s; it is still pending",
+                    wait.as_secs()
+                ),
+            ));
+        };
+        for event in events? {
             after = event.seq;
             let answers = event
                 .data
@@ -916,16 +947,6 @@ async fn send_commands(
                 ));
             }
         }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(ApiError::new(
-                ErrorCode::TaskTimeout,
-                format!(
-                    "no results for command `{response_id}` within {} s; it is still pending",
-                    wait.as_secs()
-                ),
-            ));
-        }
-        tokio::time::sleep(COMMAND_POLL).await;
     }
 }
 

@@ -23,6 +23,7 @@ pub mod settings;
 pub mod store;
 pub mod task;
 pub mod tombstones;
+pub mod watch;
 pub mod workers;
 
 use std::net::SocketAddr;

@@ -71,6 +71,9 @@ pub struct SessionSettings {
     /// devices they target, and quotas (see README, "Security"). Its keys are accepted beside
     /// `api_keys`.
     pub principals_file: Option<std::path::PathBuf>,
+    /// REST requests that may wait for task events at once (open event streams and
+    /// `/commands` waiting for results); one more is refused with RATE_LIMITED.
+    pub max_event_watchers: usize,
     /// Changes written in one transaction at most (group commit).
     pub max_batch: usize,
     /// How often a standby replica tries to become the leader.
@@ -210,6 +213,7 @@ impl Default for SessionSettings {
             max_live_tasks_per_requester: 1_000,
             max_client_priority: 0,
             principals_file: None,
+            max_event_watchers: 10_000,
             max_batch: 2_000,
             standby_retry_ms: 1_000,
             leader_lease_ms: 5_000,
@@ -282,6 +286,12 @@ impl ServiceSettings for Settings {
             return Err(StartError::invalid(
                 ServiceName::Sessions,
                 format!("leader_lease_ms must be at least {MIN_LEADER_LEASE_MS}"),
+            ));
+        }
+        if self.sessions.max_event_watchers < 1 {
+            return Err(StartError::invalid(
+                ServiceName::Sessions,
+                "max_event_watchers must be at least 1",
             ));
         }
         if self.sessions.max_live_tasks_per_requester < 1 {

@@ -498,3 +498,65 @@ async fn nats_submission_and_the_event_stream(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(nats_submission_and_the_event_stream);
+
+fn one_event_watcher(s: &mut aip_sessions::SessionSettings) {
+    s.max_event_watchers = 1;
+}
+
+/// Issue 21: requests that wait for events (streams, command waits) are bounded; one more is
+/// refused with RATE_LIMITED, and room comes back when a stream ends.
+async fn waiting_requests_are_bounded(backend: Backend) {
+    let options = Options {
+        sessions_settings: Some(one_event_watcher),
+        ..Options::default()
+    };
+    let stack = Stack::start(backend, options).await.expect("stack");
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("pc-w", "linux")).await;
+    stack.wait_online("pc-w").await;
+    let base = stack.sessions_url();
+    let body = json!({ "version": 1, "description": "watched", "originating_agent_id": "t",
+        "target_id": "pc-w", "steps": one_step("echo", json!({})) });
+    let (status, task) = post_json(&format!("{base}/api/tasks"), &body).await;
+    assert_eq!(status, 201, "{task}");
+    let stream_url = format!(
+        "{base}/api/tasks/{}/events/stream",
+        task["task_id"].as_str().expect("id")
+    );
+    let first = reqwest::get(&stream_url).await.expect("first stream");
+    assert_eq!(first.status(), 200);
+    let (status, refusal) = get_json(&stream_url).await;
+    assert_eq!(status, 429, "{refusal}");
+    assert_eq!(refusal["error_code"], "RATE_LIMITED");
+    assert!(
+        refusal["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("max_event_watchers")),
+        "{refusal}"
+    );
+    // The task ends; its stream ends with it, and gives its place back.
+    let command = dev.recv_type("command").await.expect("command");
+    dev.send(&command_results_for("pc-w", &command))
+        .await
+        .expect("results");
+    let text = tokio::time::timeout(aip_testkit::WAIT, first.text())
+        .await
+        .expect("the stream ends")
+        .expect("body");
+    assert!(text.contains("event: completed"), "{text}");
+    eventually("room for another stream", || {
+        let url = stream_url.clone();
+        async move { (get_json_status(&url).await == 200).then_some(()) }
+    })
+    .await
+    .expect("a new stream is served");
+    stack.stop().await;
+}
+both_backends!(waiting_requests_are_bounded);
+
+/// The status of a GET (the body is read to its end: a finished task's stream ends).
+async fn get_json_status(url: &str) -> u16 {
+    let response = reqwest::get(url).await.expect("GET");
+    let status = response.status().as_u16();
+    let _ = response.text().await;
+    status
+}
