@@ -32,6 +32,7 @@ pub mod registry;
 pub mod schema;
 pub mod server;
 pub mod sessions;
+pub mod shape;
 pub mod subjects;
 pub mod validate;
 pub mod version;

@@ -14,6 +14,9 @@ use serde_json::Value;
 use crate::enums::{ClientMessageType, Extension, Platform, TaskStatus};
 use crate::error::ErrorCode;
 use crate::frames::{ClientMessage, McpToolInfo};
+use crate::shape::{
+    COUNT_FROM_BYTES, CountError, Head, MAX_FRAME_VALUES, Member, count_values, head,
+};
 
 /// Longest accepted id (`client_id`, `target_id`, `session_id`, `task_name`, `request_id`),
 /// in UTF-8 bytes. Ids become NATS subject tokens, and NATS caps a subject's length.
@@ -76,6 +79,33 @@ impl std::error::Error for FrameError {}
 /// assert_eq!(err.to_string(), "register frame: field `client_id`: is required and must be a non-empty string");
 /// ```
 pub fn parse_client_frame(bytes: &[u8]) -> Result<ClientMessage, FrameError> {
+    if bytes.len() > COUNT_FROM_BYTES
+        && let Err(CountError::TooMany { limit }) = count_values(bytes, MAX_FRAME_VALUES)
+    {
+        let mut error = FrameError::new(
+            None,
+            None,
+            format!(
+                "holds more than {limit} JSON values; send large data as one string (base64 or \
+                 text), not as many small values"
+            ),
+        );
+        error.code = ErrorCode::FrameTooLarge;
+        return Err(error);
+    }
+    // serde reads a struct from an array too (`["heartbeat","ok"]`, field by position): a
+    // frame is an object, so anything else is refused before that.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(match head(bytes) {
+            Err(e) => FrameError::new(None, None, format!("not valid JSON: {e}")),
+            Ok(Head::Other(kind)) => FrameError::new(
+                None,
+                None,
+                format!("a frame must be a JSON object, got {kind}"),
+            ),
+            Ok(Head::Object { .. }) => FrameError::new(None, None, "a frame must be a JSON object"),
+        });
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let message: ClientMessage = match serde_path_to_error::deserialize(&mut de) {
         Ok(message) => message,
@@ -99,24 +129,25 @@ fn explain_shape_error(
 ) -> FrameError {
     let path = err.path().to_string();
     let inner = err.into_inner();
-    // Read the frame again as plain JSON to say what is wrong with it (error path only).
-    let value: Value = match serde_json::from_slice(bytes) {
-        Ok(value) => value,
+    // Read the frame's `type` and `status` again to say what is wrong with it (error path
+    // only; the rest of the frame is skipped, not built).
+    let (kind, status) = match head(bytes) {
         Err(e) => return FrameError::new(None, None, format!("not valid JSON: {e}")),
+        Ok(Head::Other(kind)) => {
+            return FrameError::new(
+                None,
+                None,
+                format!("a frame must be a JSON object, got {kind}"),
+            );
+        }
+        Ok(Head::Object { kind, status }) => (kind, status),
     };
-    let Some(object) = value.as_object() else {
-        return FrameError::new(
-            None,
-            None,
-            format!("a frame must be a JSON object, got {}", json_kind(&value)),
-        );
+    let frame_name = match &kind {
+        Some(Member::Text(t)) => ClientMessageType::from_wire(t).map(ClientMessageType::as_str),
+        _ => None,
     };
-    let kind = object.get("type");
-    let frame_name = kind
-        .and_then(Value::as_str)
-        .filter(|t| ClientMessageType::from_wire(t).is_some());
     match kind {
-        None | Some(Value::Null) => {
+        None | Some(Member::Null) => {
             return FrameError::new(
                 None,
                 Some("type"),
@@ -126,41 +157,37 @@ fn explain_shape_error(
                 ),
             );
         }
-        Some(Value::String(t)) if ClientMessageType::from_wire(t).is_none() => {
+        Some(Member::Text(t)) if ClientMessageType::from_wire(&t).is_none() => {
             return FrameError::new(
                 None,
                 Some("type"),
                 format!(
                     "unknown frame type `{}`; expected one of {}",
-                    truncate(t),
+                    truncate(&t),
                     ClientMessageType::expected()
                 ),
             );
         }
-        Some(Value::String(_)) => {}
-        Some(other) => {
-            return FrameError::new(
-                None,
-                Some("type"),
-                format!("must be a string, got {}", json_kind(other)),
-            );
+        Some(Member::Text(_)) => {}
+        Some(Member::Other(other)) => {
+            return FrameError::new(None, Some("type"), format!("must be a string, got {other}"));
         }
     }
-    match object.get("status") {
-        None | Some(Value::Null) => {
+    match status {
+        None | Some(Member::Null) => {
             return FrameError::new(
                 frame_name,
                 Some("status"),
                 format!("is required; expected one of {}", TaskStatus::expected()),
             );
         }
-        Some(Value::String(s)) if TaskStatus::from_wire(s).is_none() => {
+        Some(Member::Text(s)) if TaskStatus::from_wire(&s).is_none() => {
             return FrameError::new(
                 frame_name,
                 Some("status"),
                 format!(
                     "unknown status `{}`; expected one of {}",
-                    truncate(s),
+                    truncate(&s),
                     TaskStatus::expected()
                 ),
             );
@@ -460,6 +487,28 @@ mod tests {
         }
     }
 
+    /// Issue 21: a frame of many tiny values would take many times its size once parsed; past
+    /// the limit it is refused before it is parsed.
+    #[test]
+    fn a_frame_of_too_many_values_is_refused_unparsed() {
+        let zeros = vec!["0"; crate::shape::MAX_FRAME_VALUES].join(",");
+        let frame = format!(
+            r#"{{"type":"command_results","status":"continue","client_id":"d","session_id":"s","prev_response_id":"r","action_results":[{{"status":"success","result":[{zeros}]}}]}}"#
+        );
+        let refused = parse_client_frame(frame.as_bytes()).expect_err("too many values");
+        assert_eq!(refused.code, ErrorCode::FrameTooLarge);
+        assert!(
+            refused.problem.contains("more than 1048576 JSON values"),
+            "{refused}"
+        );
+        // The same data as one string is one value.
+        let one = format!(
+            r#"{{"type":"command_results","status":"continue","client_id":"d","session_id":"s","prev_response_id":"r","action_results":[{{"status":"success","result":"{}"}}]}}"#,
+            zeros.replace(',', "")
+        );
+        parse_client_frame(one.as_bytes()).expect("one large string");
+    }
+
     #[test]
     fn messages_name_frame_field_and_problem() {
         assert_eq!(
@@ -468,6 +517,11 @@ mod tests {
         );
         assert_eq!(
             err("[1]"),
+            "invalid frame: a frame must be a JSON object, got an array"
+        );
+        // serde would read this array as the struct, field by position.
+        assert_eq!(
+            err(r#" ["heartbeat", "continue"]"#),
             "invalid frame: a frame must be a JSON object, got an array"
         );
         assert_eq!(
