@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -88,17 +89,17 @@ async def flood(ws, device_id, payload, stop, counts):
                     counts["first_error"] = message[:300]
 
     reader = asyncio.create_task(read())
-    n = 0
+    # One text, sent again and again: building 8 MiB of JSON per frame would make the
+    # generator, not the gateway, the bottleneck.
+    text = frame({
+        "type": "command_results", "status": "continue", "client_type": "device",
+        "client_id": device_id, "session_id": f"{device_id}-s", "prev_response_id": "r1",
+        "request_id": str(uuid.uuid4()),
+        "action_results": [{"status": "success", "namespace": "bench", "call_id": "c1",
+                            "result": {"png_base64": payload}}],
+    })
     try:
         while not stop.is_set():
-            n += 1
-            text = frame({
-                "type": "command_results", "status": "continue", "client_type": "device",
-                "client_id": device_id, "session_id": f"{device_id}-s", "prev_response_id": f"r{n}",
-                "request_id": str(uuid.uuid4()),
-                "action_results": [{"status": "success", "namespace": "bench", "call_id": f"c{n}",
-                                    "result": {"png_base64": payload}}],
-            })
             await ws.send(text)
             counts["frames"] += 1
             counts["bytes"] += len(text)
@@ -123,15 +124,27 @@ async def run(args):
     senders = [asyncio.create_task(flood(ws, f"flood-{tag}-{i}", payload, stop, counts))
                for i, ws in enumerate(clients)]
     samples, gauges = [], []
-    next_gauge = started
-    while time.monotonic() - started < args.seconds:
-        samples.append(status_kib(args.pid, "VmRSS"))
-        if time.monotonic() >= next_gauge:
-            gauges.append(await asyncio.to_thread(gauge, metrics_url,
-                                                  "aip_gateway_inbound_bytes_in_flight"))
-            next_gauge += 0.5
-        await asyncio.sleep(0.1)
+    sampling = threading.Event()
+
+    # In threads, so that the generator's busy event loop does not space the samples out.
+    def sample_rss():
+        while not sampling.is_set():
+            samples.append(status_kib(args.pid, "VmRSS"))
+            time.sleep(0.1)
+
+    def sample_gauge():
+        while not sampling.is_set():
+            gauges.append(gauge(metrics_url, "aip_gateway_inbound_bytes_in_flight"))
+            time.sleep(0.5)
+
+    threads = [threading.Thread(target=sample_rss), threading.Thread(target=sample_gauge)]
+    for thread in threads:
+        thread.start()
+    await asyncio.sleep(args.seconds)
     stop.set()
+    sampling.set()
+    for thread in threads:
+        thread.join()
     elapsed = time.monotonic() - started
     await asyncio.wait(senders, timeout=60)
     hwm = status_kib(args.pid, "VmHWM")
