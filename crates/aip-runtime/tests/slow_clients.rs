@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use aip_runtime::listener::{HEADER_READ_TIMEOUT, serve_http};
+use aip_runtime::listener::{ConnectionLimits, HEADER_READ_TIMEOUT, serve_http};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
@@ -16,9 +16,14 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     let addr = listener.local_addr().expect("addr");
     let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve_http(listener, router, async {
-        let _ = stopped.await;
-    }));
+    let server = tokio::spawn(serve_http(
+        listener,
+        router,
+        ConnectionLimits::UNLIMITED,
+        async {
+            let _ = stopped.await;
+        },
+    ));
 
     let started = Instant::now();
     let mut slow = tokio::net::TcpStream::connect(addr).await.expect("connect");

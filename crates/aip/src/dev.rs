@@ -362,11 +362,15 @@ impl DevServer {
             tokio::spawn(registry.run_until_stopped(registry_stop.clone().cancelled_owned()));
         let mut sessions_task =
             tokio::spawn(sessions.run_until(sessions_stop.clone().cancelled_owned()));
+        // The one listener serves the gateway's WebSockets and the REST APIs: the gateway's
+        // connection limits (its settings, `AIP_GATEWAY__…`) apply to it.
+        let limits = gateway.connection_limits();
         let mut gateway_task =
             tokio::spawn(gateway.run_until(gateway_stop.clone().cancelled_owned()));
         let mut server = tokio::spawn(aip_runtime::listener::serve_http(
             listener,
             router,
+            limits,
             stopping.clone().cancelled_owned(),
         ));
 

@@ -18,6 +18,7 @@ use crate::auth::Principal;
 use crate::connection::{Connection, Inbound, ReadError, WriteError, close};
 use crate::handlers;
 use crate::identity::Identity;
+use crate::inbound::InFlight;
 use crate::presence::Liveness;
 use crate::rate::FrameRate;
 
@@ -35,6 +36,9 @@ const LIVENESS_CHECKS_PER_WINDOW: u32 = 4;
 /// The answer to a binary frame, before and after registration.
 pub(crate) const BINARY_FRAMES_UNSUPPORTED: &str =
     "binary frames are not supported: send each AIP frame as JSON in a text frame";
+
+/// The first frame, parsed (or why it is not a valid AIP frame).
+type FirstFrame = Result<Box<ClientMessage>, FrameError>;
 
 /// Why a connection ended. The text goes to the logs, the registry and the session
 /// service (`reason` of the unregistration and of the closed-connection event).
@@ -106,7 +110,12 @@ pub async fn serve(
 ) {
     let settings = &state.settings.gateway;
     let mut client = Client {
-        connection: Connection::new(socket, settings.outbound_queue, settings.max_frame_bytes),
+        connection: Connection::new(
+            socket,
+            settings.outbound_queue,
+            settings.max_frame_bytes,
+            settings.bytes_per_second,
+        ),
         connection_id: uuid::Uuid::now_v7().to_string(),
         principal,
         identity: None,
@@ -128,22 +137,38 @@ pub async fn serve(
 
 impl Client {
     async fn run(&mut self) -> End {
-        let first = match self.await_register().await {
+        let (first, bytes) = match self.await_register().await {
             Ok(first) => first,
+            Err(end) => return end,
+        };
+        let in_flight = match self.admit_inbound(bytes).await {
+            Ok(in_flight) => in_flight,
             Err(end) => return end,
         };
         // Boxed, here and for each frame and delivery in `registered`: the future of an idle
         // connection then holds only the loop, not room for the largest step it may take.
-        match Box::pin(handlers::register::handle(self, first)).await {
+        let registered = Box::pin(handlers::register::handle(self, first)).await;
+        drop(in_flight);
+        match registered {
             Ok(registration) => self.registered(registration).await,
             Err(end) => end,
+        }
+    }
+
+    /// Room in the gateway's budget of inbound bytes for a frame of `bytes` just read,
+    /// waiting for it (and reading nothing more meanwhile) unless the gateway shuts down.
+    async fn admit_inbound(&self, bytes: usize) -> Result<InFlight, End> {
+        let budget = self.state.inbound.clone();
+        tokio::select! {
+            in_flight = budget.admit(bytes) => Ok(in_flight),
+            () = self.state.shutdown.cancelled() => Err(self.shutting_down()),
         }
     }
 
     /// The first frame, within the registration deadline. Pings and pongs before it are
     /// answered by the WebSocket layer; they are skipped here without moving the deadline
     /// (a client that only pings is still closed at the deadline).
-    async fn await_register(&mut self) -> Result<Result<Box<ClientMessage>, FrameError>, End> {
+    async fn await_register(&mut self) -> Result<(FirstFrame, usize), End> {
         let timeout_ms = self.state.settings.gateway.register_timeout_ms;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
         let shutdown = self.state.shutdown.clone();
@@ -167,7 +192,7 @@ impl Client {
                 Ok(Ok(Some(inbound))) => inbound,
             };
             match inbound {
-                Inbound::Frame(frame) => return Ok(frame),
+                Inbound::Frame { frame, bytes } => return Ok((frame, bytes)),
                 Inbound::Binary => {
                     self.connection.write_last(
                         &server::error(ErrorCode::ProtocolError, BINARY_FRAMES_UNSUPPORTED),
@@ -200,11 +225,17 @@ impl Client {
         loop {
             let step = tokio::select! {
                 read = self.connection.read() => {
-                    if read.is_ok() {
-                        last_activity = Instant::now();
+                    let alive = read.is_ok();
+                    if alive {
                         liveness.touch();
                     }
-                    Box::pin(self.on_read(read)).await
+                    let step = Box::pin(self.on_read(read)).await;
+                    // After the frame is handled: the connection may have waited for the
+                    // inbound budget meanwhile, without reading (or hearing) the client.
+                    if alive {
+                        last_activity = Instant::now();
+                    }
+                    step
                 }
                 delivery = deliveries.next() => match delivery {
                     Some(message) => Box::pin(handlers::delivery::handle(self, message)).await,
@@ -215,7 +246,12 @@ impl Client {
                 },
                 _ = ping.tick() => self.connection.ping().map_err(End::from),
                 _ = check.tick() => {
-                    if last_activity.elapsed() > liveness_timeout {
+                    if self.connection.reading_paused() {
+                        // Over its byte rate: the client sent, the gateway is not reading.
+                        last_activity = Instant::now();
+                        liveness.touch();
+                        Ok(())
+                    } else if last_activity.elapsed() > liveness_timeout {
                         let text = format!("no frames or pongs for {} ms", liveness_timeout.as_millis());
                         self.connection.close(close::GOING_AWAY, &text);
                         Err(End::Silent(text))
@@ -235,7 +271,10 @@ impl Client {
         match read {
             Err(e) => Err(self.read_failed(e)),
             Ok(None) => Err(End::ClientClosed),
-            Ok(Some(Inbound::Frame(frame))) => handlers::dispatch(self, frame).await,
+            Ok(Some(Inbound::Frame { frame, bytes })) => {
+                let _in_flight = self.admit_inbound(bytes).await?;
+                handlers::dispatch(self, frame).await
+            }
             Ok(Some(Inbound::Binary)) => Ok(self.connection.write(&server::error(
                 ErrorCode::ProtocolError,
                 BINARY_FRAMES_UNSUPPORTED,

@@ -15,6 +15,8 @@ use proto_schemas::{ClientMessage, FrameError, ServerMessage, parse_client_frame
 use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio::task::JoinHandle;
 
+use crate::rate::ByteRate;
+
 /// The upgrade handler in `lib.rs` hands each socket to this.
 pub use crate::client::serve;
 
@@ -51,7 +53,11 @@ const UNREAD_INPUT_HOLD: Duration = Duration::from_millis(500);
 pub(crate) enum Inbound {
     /// A text frame, parsed and checked (or why it is not a valid AIP frame). Boxed: a
     /// client frame is large, and an idle connection should not hold room for one.
-    Frame(Result<Box<ClientMessage>, FrameError>),
+    Frame {
+        frame: Result<Box<ClientMessage>, FrameError>,
+        /// Its size on the wire, for the budget of inbound bytes in flight.
+        bytes: usize,
+    },
     /// AIP frames are JSON text; a binary frame is answered with an error.
     Binary,
     /// The WebSocket layer answers pings itself; a ping or pong is a sign of life only.
@@ -97,11 +103,19 @@ pub(crate) struct Connection {
     /// Set when the rest of an oversized frame is left unread (the socket cannot be drained),
     /// so that the close is given time to arrive.
     input_left_unread: bool,
+    /// Bytes per second read from the socket: reading pauses while over it.
+    byte_rate: ByteRate,
 }
 
 impl Connection {
-    /// Starts the writer task; at most `queue` frames wait for it.
-    pub(crate) fn new(socket: WebSocket, queue: usize, max_frame_bytes: usize) -> Self {
+    /// Starts the writer task; at most `queue` frames wait for it; reads at most
+    /// `bytes_per_second` on average (0: no limit).
+    pub(crate) fn new(
+        socket: WebSocket,
+        queue: usize,
+        max_frame_bytes: usize,
+        bytes_per_second: u64,
+    ) -> Self {
         let (sink, stream) = socket.split();
         let (out, queued) = mpsc::channel(queue);
         Connection {
@@ -110,24 +124,46 @@ impl Connection {
             writer: tokio::spawn(write_queued(sink, queued)),
             max_frame_bytes,
             input_left_unread: false,
+            byte_rate: ByteRate::new(bytes_per_second),
         }
     }
 
-    /// The next thing the client sent; `None` once it closed the connection.
+    /// The next thing the client sent; `None` once it closed the connection. While the
+    /// client is over its byte rate, this first waits (reading nothing) until it is back
+    /// under. Cancel-safe: dropped before it returns, nothing has been read.
     pub(crate) async fn read(&mut self) -> Result<Option<Inbound>, ReadError> {
+        if let Some(until) = self.byte_rate.paused_until() {
+            tokio::time::sleep_until(until).await;
+        }
         let message = match self.stream.next().await {
             None => return Ok(None),
             Some(Err(e)) => return Err(self.read_error(e)),
             Some(Ok(message)) => message,
         };
+        let bytes = match &message {
+            Message::Text(text) => text.len(),
+            Message::Binary(data) | Message::Ping(data) | Message::Pong(data) => data.len(),
+            Message::Close(_) => 0,
+        };
+        if self.byte_rate.charge(bytes) {
+            metrics::counter!("aip_gateway_reads_paused_total", "reason" => "byte_rate")
+                .increment(1);
+        }
         Ok(match message {
-            Message::Text(text) => Some(Inbound::Frame(
-                parse_client_frame(text.as_bytes()).map(Box::new),
-            )),
+            Message::Text(text) => Some(Inbound::Frame {
+                frame: parse_client_frame(text.as_bytes()).map(Box::new),
+                bytes,
+            }),
             Message::Binary(_) => Some(Inbound::Binary),
             Message::Close(_) => None,
             Message::Ping(_) | Message::Pong(_) => Some(Inbound::Control),
         })
+    }
+
+    /// Whether reading is paused because the client is over its byte rate: it is not
+    /// silent then, the gateway is not listening.
+    pub(crate) fn reading_paused(&self) -> bool {
+        self.byte_rate.paused_until().is_some()
     }
 
     fn read_error(&mut self, e: axum::Error) -> ReadError {

@@ -17,6 +17,7 @@ pub mod devices;
 mod events;
 mod handlers;
 mod identity;
+pub mod inbound;
 pub mod presence;
 pub mod rate;
 pub mod replies;
@@ -30,7 +31,7 @@ use std::time::Duration;
 
 use aip_bus::SharedBus;
 use aip_runtime::health::Probes;
-use aip_runtime::listener::{Listening, ServiceListener};
+use aip_runtime::listener::{ConnectionLimits, Listening, ServiceListener};
 use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings};
 use aip_store::Database;
@@ -78,6 +79,9 @@ pub struct AppState {
     announce: tokio::sync::watch::Sender<bool>,
     /// Cancelled when the gateway shuts down.
     pub shutdown: CancellationToken,
+    /// Bytes of client frames read and not yet handled, across all connections.
+    pub inbound: Arc<inbound::InboundBudget>,
+    /// WebSocket connections (`max_connections`); sockets are counted earlier, at accept.
     connections: Arc<Semaphore>,
     tracker: TaskTracker,
 }
@@ -107,6 +111,16 @@ impl Application {
     /// The router, for embedding the gateway in another server (`aip dev`).
     pub fn router(&self) -> Router {
         router(self.state.clone())
+    }
+
+    /// The limits of the gateway's listener, for a server that embeds the gateway (`aip dev`).
+    pub fn connection_limits(&self) -> ConnectionLimits {
+        self.state.settings.gateway.connection_limits()
+    }
+
+    /// The budget of inbound bytes in flight (to watch it: tests, diagnostics).
+    pub fn inbound_budget(&self) -> Arc<inbound::InboundBudget> {
+        self.state.inbound.clone()
     }
 
     /// Serves until `shutdown` completes; then stops accepting, closes every socket with 1001,
@@ -219,7 +233,9 @@ impl runner::Service for Application {
             );
         }
         let listener =
-            ServiceListener::open(ServiceName::Gateway, settings.gateway.listen, listening).await?;
+            ServiceListener::open(ServiceName::Gateway, settings.gateway.listen, listening)
+                .await?
+                .with_limits(settings.gateway.connection_limits());
         let gateway_id = settings
             .gateway
             .gateway_id
@@ -241,6 +257,7 @@ impl runner::Service for Application {
             announce,
             announced,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
+            inbound: inbound::InboundBudget::new(settings.gateway.max_inbound_bytes_in_flight),
             settings,
             gateway_id,
             blobs: aip_bus::BlobStore::for_subjects(&subjects),

@@ -1,4 +1,5 @@
-//! The frame rate of one connection: a token bucket, and what a client over it is told.
+//! The rates of one connection: frames per second (a token bucket, and what a client over
+//! it is told) and bytes per second (a token bucket that pauses reading instead).
 
 use std::time::Instant;
 
@@ -96,6 +97,61 @@ impl FrameRate {
     }
 }
 
+/// The byte rate of one connection: how long to stop reading its socket.
+///
+/// A frame's size is known only once it has been read, so a frame is always read whole (up to
+/// the frame size limit) and charged afterwards; the bucket may then go into debt, and the
+/// connection reads nothing more until the debt is paid back at the sustained rate. While the
+/// gateway does not read, the socket's buffers fill and TCP slows the client down: nothing is
+/// refused, and a client that floods only waits. A full bucket holds [`BURST_SECONDS`] of the
+/// rate, read at full speed.
+#[derive(Debug)]
+pub(crate) struct ByteRate {
+    /// Bytes per second; 0 is no limit.
+    rate: f64,
+    capacity: f64,
+    /// Negative: debt.
+    tokens: f64,
+    /// When `tokens` was last brought up to date.
+    last: tokio::time::Instant,
+}
+
+impl ByteRate {
+    /// `per_second` bytes per second (0 disables the limit).
+    pub(crate) fn new(per_second: u64) -> Self {
+        let rate = per_second as f64;
+        ByteRate {
+            rate,
+            capacity: rate * BURST_SECONDS,
+            tokens: rate * BURST_SECONDS,
+            last: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Charges `bytes` just read; returns true if that put the connection into debt (its
+    /// reading pauses).
+    pub(crate) fn charge(&mut self, bytes: usize) -> bool {
+        if self.rate == 0.0 {
+            return false;
+        }
+        let now = tokio::time::Instant::now();
+        let elapsed = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.capacity) - bytes as f64;
+        self.tokens < 0.0
+    }
+
+    /// Until when reading pauses, if the connection is in debt.
+    pub(crate) fn paused_until(&self) -> Option<tokio::time::Instant> {
+        if self.rate == 0.0 || self.tokens >= 0.0 {
+            return None;
+        }
+        let debt = std::time::Duration::from_secs_f64(-self.tokens / self.rate);
+        let until = self.last + debt;
+        (until > tokio::time::Instant::now()).then_some(until)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,5 +184,29 @@ mod tests {
             refused[MIN_REFUSALS_BEFORE_CLOSE as usize],
             Admission::RefusedPersistently
         );
+    }
+
+    #[tokio::test]
+    async fn reading_pauses_for_the_debt_of_a_burst_then_resumes() {
+        let mut rate = ByteRate::new(100_000);
+        // Two seconds' worth is read at once.
+        assert!(!rate.charge(150_000));
+        assert!(!rate.charge(40_000));
+        assert_eq!(rate.paused_until(), None);
+        // A frame far larger than the bucket is read whole, then paid for: about 0.3 s of debt.
+        assert!(rate.charge(40_000));
+        let until = rate.paused_until().expect("in debt");
+        let pause = until - tokio::time::Instant::now();
+        assert!((0.25..=0.31).contains(&pause.as_secs_f64()), "{pause:?}");
+        tokio::time::sleep_until(until).await;
+        assert_eq!(rate.paused_until(), None, "the debt is paid");
+        assert!(!rate.charge(0));
+    }
+
+    #[test]
+    fn no_byte_rate_never_pauses() {
+        let mut rate = ByteRate::new(0);
+        assert!(!rate.charge(usize::MAX));
+        assert_eq!(rate.paused_until(), None);
     }
 }

@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use aip_runtime::listener::ConnectionLimits;
 use aip_runtime::service::{
     Common, DEFAULT_NATS_URL, Exposure, Guard, ServiceName, ServiceSettings, StartError,
     require_positive,
@@ -57,8 +58,28 @@ pub struct GatewaySettings {
     pub max_frame_bytes: usize,
     /// Sustained frames per second allowed per connection (bursts of twice that are allowed).
     pub frames_per_second: u32,
-    /// Most simultaneous connections; more are refused at the handshake with 503.
+    /// Sustained bytes per second read from one connection (0: no limit). A client that sends
+    /// faster is not refused: the gateway stops reading its socket until it is back under the
+    /// rate (TCP then slows the client down). Bursts of two seconds' worth are read at full
+    /// speed, and a frame of any size up to `max_frame_bytes` is always read whole; its
+    /// excess is paid afterwards by a pause.
+    pub bytes_per_second: u64,
+    /// Most simultaneous WebSocket connections; more are refused at the handshake with 503.
+    /// Sockets are also counted before anything is read from them, authenticated or not: at
+    /// most this many plus [`ACCEPT_HEADROOM`] are open at once, and a socket over that is
+    /// closed at once (the headroom keeps health probes and the 503 answers working on a full
+    /// gateway).
     pub max_connections: usize,
+    /// Most sockets open at once from one client address (an IPv6 /64 counts as one), counted
+    /// when a socket is accepted, before authentication; more are closed at once (0: no
+    /// limit). Behind a proxy or load balancer that hides client addresses every connection
+    /// comes from the proxy: raise it above the connections the proxy carries, or set 0.
+    pub max_connections_per_address: usize,
+    /// Bytes of client frames read but not yet handled (published to the bus and stored, or
+    /// answered) across all connections. A connection whose frame does not fit waits, reading
+    /// nothing more, until earlier frames are through; a frame larger than the whole budget
+    /// waits until it is alone.
+    pub max_inbound_bytes_in_flight: usize,
     /// Frames waiting to be written to one client; a client that lets more pile up is
     /// disconnected (close code 1008) instead of growing memory.
     pub outbound_queue: usize,
@@ -66,6 +87,31 @@ pub struct GatewaySettings {
     pub request_timeout_ms: u64,
     /// On SIGTERM, how long to wait for connections to close before exiting.
     pub shutdown_grace_ms: u64,
+}
+
+/// Sockets the gateway accepts beyond `max_connections`, so that a full gateway still answers
+/// health probes and tells WebSocket clients it is full (503) instead of closing them unread.
+pub const ACCEPT_HEADROOM: usize = 64;
+
+/// The smallest `max_inbound_bytes_in_flight`: less would hold up ordinary result frames
+/// (screenshots, logs) of different clients behind each other.
+pub const MIN_INBOUND_BYTES_IN_FLIGHT: usize = 1024 * 1024;
+
+/// The smallest `bytes_per_second` other than 0: below it, one ordinary frame of a few
+/// hundred KiB would stop its connection's reading for seconds.
+pub const MIN_BYTES_PER_SECOND: u64 = 64 * 1024;
+
+const MIB: u64 = 1024 * 1024;
+
+impl GatewaySettings {
+    /// The limits of the gateway's listener (or of `aip dev`'s, which embeds the gateway),
+    /// checked when a socket is accepted.
+    pub fn connection_limits(&self) -> ConnectionLimits {
+        ConnectionLimits {
+            total: self.max_connections.saturating_add(ACCEPT_HEADROOM),
+            per_address: self.max_connections_per_address,
+        }
+    }
 }
 
 impl Default for Settings {
@@ -93,7 +139,10 @@ impl Default for GatewaySettings {
             presence_interval_ms: 1_000,
             max_frame_bytes: proto_schemas::MAX_FRAME_BYTES,
             frames_per_second: 500,
+            bytes_per_second: 16 * MIB,
             max_connections: 50_000,
+            max_connections_per_address: 20_000,
+            max_inbound_bytes_in_flight: 256 * MIB as usize,
             outbound_queue: 256,
             request_timeout_ms: 5_000,
             shutdown_grace_ms: 10_000,
@@ -133,6 +182,102 @@ impl ServiceSettings for Settings {
                 ("liveness_timeout_ms", g.liveness_timeout_ms),
                 ("presence_interval_ms", g.presence_interval_ms),
             ],
-        )
+        )?;
+        if g.max_inbound_bytes_in_flight < MIN_INBOUND_BYTES_IN_FLIGHT {
+            return Err(StartError::invalid(
+                ServiceName::Gateway,
+                format!(
+                    "max_inbound_bytes_in_flight must be at least {MIN_INBOUND_BYTES_IN_FLIGHT} (1 MiB), got {}",
+                    g.max_inbound_bytes_in_flight
+                ),
+            ));
+        }
+        if g.bytes_per_second != 0 && g.bytes_per_second < MIN_BYTES_PER_SECOND {
+            return Err(StartError::invalid(
+                ServiceName::Gateway,
+                format!(
+                    "bytes_per_second must be 0 (no limit) or at least {MIN_BYTES_PER_SECOND} (64 KiB), got {}",
+                    g.bytes_per_second
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(change: impl FnOnce(&mut GatewaySettings)) -> String {
+        let mut s = Settings::default();
+        change(&mut s.gateway);
+        s.validate().expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        Settings::default().validate().expect("defaults validate");
+    }
+
+    #[test]
+    fn the_inbound_budget_must_hold_a_mebibyte() {
+        let err = refused(|g| g.max_inbound_bytes_in_flight = 0);
+        assert!(
+            err.contains("max_inbound_bytes_in_flight must be at least"),
+            "{err}"
+        );
+        let err = refused(|g| g.max_inbound_bytes_in_flight = 1024 * 1024 - 1);
+        assert!(err.contains("max_inbound_bytes_in_flight"), "{err}");
+        let mut s = Settings::default();
+        s.gateway.max_inbound_bytes_in_flight = 1024 * 1024;
+        s.validate().expect("1 MiB is enough");
+    }
+
+    #[test]
+    fn the_byte_rate_is_off_or_at_least_64_kib() {
+        let err = refused(|g| g.bytes_per_second = 1);
+        assert!(
+            err.contains("bytes_per_second must be 0 (no limit) or at least"),
+            "{err}"
+        );
+        let mut s = Settings::default();
+        s.gateway.bytes_per_second = 0;
+        s.validate().expect("0 is no limit");
+        s.gateway.bytes_per_second = 64 * 1024;
+        s.validate().expect("64 KiB/s");
+    }
+
+    #[test]
+    fn the_listener_admits_the_headroom_beyond_max_connections() {
+        let g = GatewaySettings {
+            max_connections: 2,
+            max_connections_per_address: 1,
+            ..GatewaySettings::default()
+        };
+        assert_eq!(
+            g.connection_limits(),
+            ConnectionLimits {
+                total: 2 + ACCEPT_HEADROOM,
+                per_address: 1
+            }
+        );
+    }
+
+    #[test]
+    fn new_limits_come_from_the_environment() {
+        let environment = [
+            ("AIP_GATEWAY__BYTES_PER_SECOND", "1048576"),
+            ("AIP_GATEWAY__MAX_CONNECTIONS_PER_ADDRESS", "0"),
+            ("AIP_GATEWAY__MAX_INBOUND_BYTES_IN_FLIGHT", "33554432"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let loaded: Result<Settings, _> =
+            aip_runtime::settings::load_from(None, environment.into());
+        let s = loaded.expect("loads");
+        assert_eq!(s.gateway.bytes_per_second, 1024 * 1024);
+        assert_eq!(s.gateway.max_connections_per_address, 0);
+        assert_eq!(s.gateway.max_inbound_bytes_in_flight, 32 * 1024 * 1024);
+        s.validate().expect("valid");
     }
 }
