@@ -152,7 +152,7 @@ impl ConnectionLimits {
 }
 
 /// Why an accepted socket was closed at once; the `reason` label of
-/// `aip_connections_refused_total`.
+/// `aip_listener_connections_refused_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     /// Its source already holds [`ConnectionLimits::per_address`] connections.
@@ -317,7 +317,7 @@ struct RefusalLog {
 
 impl RefusalLog {
     fn refused(&mut self, refusal: Refusal, peer: SocketAddr, limits: ConnectionLimits) {
-        metrics::counter!("aip_connections_refused_total", "reason" => refusal.as_str())
+        metrics::counter!("aip_listener_connections_refused_total", "reason" => refusal.as_str())
             .increment(1);
         tracing::debug!(%peer, reason = refusal.as_str(), "connection refused: over the limit");
         match refusal {

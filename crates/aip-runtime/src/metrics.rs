@@ -72,6 +72,26 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Frames from the session service for clients, by `outcome` (written; duplicate and other_connection: dropped).",
     ),
     (
+        "aip_gateway_reads_paused_total",
+        Kind::Counter,
+        "Times a connection's reading paused, by `reason` (byte_rate: over `bytes_per_second`).",
+    ),
+    (
+        "aip_gateway_inbound_bytes_in_flight",
+        Kind::Gauge,
+        "Bytes of client frames read and not yet handled (bounded by `max_inbound_bytes_in_flight`).",
+    ),
+    (
+        "aip_gateway_inbound_budget_waits_total",
+        Kind::Counter,
+        "Client frames that waited for room in the inbound budget.",
+    ),
+    (
+        "aip_listener_connections_refused_total",
+        Kind::Counter,
+        "Sockets closed at accept, over a connection limit, by `reason` (per_address, total); every service's listener.",
+    ),
+    (
         "aip_registry_registrations_total",
         Kind::Counter,
         "REGISTERs answered, by `outcome` (registered, refused).",
@@ -153,7 +173,13 @@ mod tests {
                 Kind::Counter => assert!(name.ends_with("_total"), "{name}"),
                 Kind::Gauge | Kind::Histogram => assert!(!name.ends_with("_total"), "{name}"),
             }
-            let service = ["aip_gateway_", "aip_registry_", "aip_sessions_"];
+            // `aip_listener_`: the listener every service (and `aip dev`) shares.
+            let service = [
+                "aip_gateway_",
+                "aip_registry_",
+                "aip_sessions_",
+                "aip_listener_",
+            ];
             assert!(service.iter().any(|s| name.starts_with(s)), "{name}");
         }
     }

@@ -158,9 +158,9 @@ async fn a_source_over_its_limit_is_closed_unanswered_and_others_get_in() {
         .expect("a recorder")
         .render();
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("aip_connections_refused_total{reason=\"per_address\"}")),
+        metrics.lines().any(
+            |l| l.starts_with("aip_listener_connections_refused_total{reason=\"per_address\"}")
+        ),
         "{metrics}"
     );
 }
