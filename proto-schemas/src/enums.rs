@@ -106,6 +106,8 @@ wire_enum! {
         ClarificationResponse = "clarification_response",
         /// Extension: the task moved to another executor.
         Handoff = "handoff",
+        /// Extension: a CallbackNotification, to the agent a task named as its callback.
+        Callback = "callback",
     }
 }
 
@@ -210,6 +212,9 @@ wire_enum! {
         Clarification = "clarification",
         /// The client sends and receives `handoff` frames.
         Handoff = "handoff",
+        /// The client receives `callback` frames (CallbackNotifications of the tasks that name
+        /// it as their `callback_agent`).
+        Callback = "callback",
     }
 }
 

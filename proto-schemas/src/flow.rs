@@ -37,6 +37,11 @@ pub struct TaskRequest {
     /// Where to POST the outcome (validated, signed, retried).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub callback_url: Option<String>,
+    /// Or send the CallbackNotifications to this agent as `callback` frames (it must have
+    /// announced the `callback` extension); kept until it connects. Not with `callback_url`.
+    #[schema(min_length = 1, max_length = 256)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callback_agent: Option<String>,
     /// Besides the end (always) and a question (always), the states whose entry is also
     /// POSTed to `callback_url` (e.g. `dispatched`, `working`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -7,7 +7,10 @@ use serde_json::{Value, json};
 
 use crate::enums::{ClientMessageType, Extension, ServerMessageType as T, TaskStatus};
 use crate::error::ErrorCode;
-use crate::flow::{ClarificationRequest, ClarificationResponse, HandoffNotification};
+use crate::flow::{
+    CallbackNotification, CallbackStatus, ClarificationRequest, ClarificationResponse,
+    HandoffNotification,
+};
 use crate::frames::{Command, ServerMessage};
 
 /// The current time in UFO's format: ISO 8601, microseconds, `+00:00`.
@@ -209,6 +212,22 @@ pub fn clarification_response(response: &ClarificationResponse) -> ServerMessage
 pub fn handoff(notification: &HandoffNotification) -> ServerMessage {
     let mut m = stamped(T::Handoff, TaskStatus::Continue);
     m.session_id = Some(notification.task_id.clone());
+    m.metadata = as_object(notification);
+    m
+}
+
+/// Extension `callback`, to the agent a task named as its callback: the CallbackNotification
+/// in `metadata`, its result in `result`, its outcome in `status`.
+pub fn callback(notification: &CallbackNotification) -> ServerMessage {
+    let status = match notification.status {
+        CallbackStatus::Complete => TaskStatus::Completed,
+        CallbackStatus::Failed => TaskStatus::Failed,
+        CallbackStatus::InProgress => TaskStatus::Continue,
+    };
+    let mut m = stamped(T::Callback, status);
+    m.session_id = Some(notification.task_id.clone());
+    m.result = notification.result.clone();
+    m.error = notification.error.clone();
     m.metadata = as_object(notification);
     m
 }

@@ -18,6 +18,12 @@
 //!
 //! Delivery is at least once: a receiver that accepts a callback just as the service dies may
 //! get it again after the restart, with the same `webhook-id`.
+//!
+//! A task may name an agent instead of a URL (`callback_agent`): its notifications go to that
+//! agent as `callback` frames when it is connected and announced the `callback` extension, and
+//! wait while it is not (looked at again every claim period, for at most
+//! [`AGENT_WAIT_MS`]); a frame counts as delivered once the agent's gateway acknowledges writing
+//! it.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -58,6 +64,46 @@ static CALLBACK_URL: std::sync::LazyLock<Option<regex::Regex>> = std::sync::Lazy
         .ok()
 });
 
+/// Where a task's callbacks go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallbackTarget {
+    /// POSTed to this http(s) URL.
+    Url(String),
+    /// Sent to this agent as `callback` frames.
+    Agent(String),
+}
+
+/// How an agent target is stored (a URL never starts with it).
+const AGENT_PREFIX: &str = "agent:";
+
+/// How long a callback waits for its agent to connect before it is dead-lettered.
+pub const AGENT_WAIT_MS: i64 = 24 * 3600 * 1000;
+
+impl CallbackTarget {
+    /// The stored text: the URL, or `agent:<id>`.
+    pub fn stored(&self) -> String {
+        match self {
+            CallbackTarget::Url(url) => url.clone(),
+            CallbackTarget::Agent(id) => format!("{AGENT_PREFIX}{id}"),
+        }
+    }
+
+    /// From the stored text.
+    pub fn from_stored(text: &str) -> Self {
+        match text.strip_prefix(AGENT_PREFIX) {
+            Some(id) => CallbackTarget::Agent(id.to_owned()),
+            None => CallbackTarget::Url(text.to_owned()),
+        }
+    }
+
+    /// What a CallbackNotification's `sent_to` says: the URL or the agent id.
+    pub fn shown(&self) -> &str {
+        match self {
+            CallbackTarget::Url(target) | CallbackTarget::Agent(target) => target,
+        }
+    }
+}
+
 /// How often the worker looks for due callbacks.
 const SWEEP: Duration = Duration::from_millis(200);
 /// Callbacks claimed at once.
@@ -84,7 +130,7 @@ pub fn notification(task: &Task, seq: i64) -> Option<NewCallback> {
         task_id: task.task_id.clone(),
         result: task.result.clone(),
         status,
-        sent_to: target.clone(),
+        sent_to: CallbackTarget::from_stored(&target).shown().to_owned(),
         state: Some(state),
         error: task.error.as_ref().map(|e| e.detail.clone()),
         clarification: task.waiting.question().map(|q| q.request(&task.task_id)),
@@ -244,6 +290,7 @@ impl Callbacks {
         let retry_after = retry_after(response.headers());
         if status.is_success() {
             return Attempt {
+                delivered: true,
                 status: Some(status),
                 error: None,
                 retry_after: None,
@@ -260,7 +307,7 @@ impl Callbacks {
         let attempts = callback.attempts + 1;
         let status = attempt.status.map(|s| i32::from(s.as_u16()));
         let (state, next_attempt_ms) = match attempt.status {
-            Some(s) if s.is_success() => ("delivered", now),
+            _ if attempt.delivered => ("delivered", now),
             Some(StatusCode::GONE) => ("gone", now),
             _ if attempt.stop || attempts - callback.attempts_base >= self.max_attempts => {
                 ("dead", now)
@@ -304,9 +351,81 @@ impl Callbacks {
     }
 }
 
+/// Sends a callback to its agent as a `callback` frame and waits for the agent's gateway to
+/// acknowledge writing it. `None` while the agent is not connected (the callback waits, up to
+/// [`AGENT_WAIT_MS`] from its creation, then is dead-lettered).
+async fn to_agent(
+    engine: &Engine,
+    callback: &DueCallback,
+    agent: &str,
+    callbacks: &Callbacks,
+) -> Option<Attempt> {
+    let record = match engine.registry().get(agent).await {
+        Ok(record) if record.status != proto_schemas::registry::AgentStatus::Offline => record,
+        Ok(_) => {
+            if now_ms() - callback.created_ms > AGENT_WAIT_MS {
+                return Some(Attempt::refused(format!(
+                    "agent `{agent}` did not connect within {} h",
+                    AGENT_WAIT_MS / 3_600_000
+                )));
+            }
+            return None;
+        }
+        Err(aip_bus::registry::RegistryError::Refused(body))
+            if body.error_code == proto_schemas::ErrorCode::NotFound =>
+        {
+            if now_ms() - callback.created_ms > AGENT_WAIT_MS {
+                return Some(Attempt::refused(format!(
+                    "agent `{agent}` did not connect within {} h",
+                    AGENT_WAIT_MS / 3_600_000
+                )));
+            }
+            return None;
+        }
+        Err(e) => return Some(Attempt::failed(None, format!("registry: {e}"), None)),
+    };
+    if !record
+        .extensions
+        .contains(&proto_schemas::Extension::Callback)
+    {
+        return Some(Attempt::refused(format!(
+            "agent `{agent}` did not announce the `callback` extension at REGISTER, so it \
+             cannot be sent callback frames"
+        )));
+    }
+    let notification: CallbackNotification = match serde_json::from_str(&callback.payload) {
+        Ok(notification) => notification,
+        Err(e) => return Some(Attempt::refused(format!("the stored notification: {e}"))),
+    };
+    let frame = match serde_json::to_vec(&proto_schemas::server::callback(&notification)) {
+        Ok(frame) => frame,
+        Err(e) => {
+            return Some(Attempt::refused(format!(
+                "the frame cannot be written: {e}"
+            )));
+        }
+    };
+    let timeout = Duration::from_millis(u64::try_from(callbacks.timeout_ms).unwrap_or(10_000));
+    let written = engine
+        .send_acknowledged(
+            engine.subjects().deliver(agent),
+            &callback.callback_id,
+            &record.connection_id,
+            frame,
+            timeout,
+        )
+        .await;
+    Some(match written {
+        Ok(()) => Attempt::delivered(),
+        Err(why) => Attempt::failed(None, why, None),
+    })
+}
+
 /// How one attempt went.
 #[derive(Debug)]
 struct Attempt {
+    /// Written to the agent (a frame's callback has no HTTP status).
+    delivered: bool,
     status: Option<StatusCode>,
     error: Option<String>,
     retry_after: Option<Duration>,
@@ -315,8 +434,19 @@ struct Attempt {
 }
 
 impl Attempt {
+    fn delivered() -> Self {
+        Attempt {
+            delivered: true,
+            status: None,
+            error: None,
+            retry_after: None,
+            stop: false,
+        }
+    }
+
     fn failed(status: Option<StatusCode>, error: String, retry_after: Option<Duration>) -> Self {
         Attempt {
+            delivered: false,
             status,
             error: Some(error),
             retry_after,
@@ -326,6 +456,7 @@ impl Attempt {
 
     fn refused(error: String) -> Self {
         Attempt {
+            delivered: false,
             status: None,
             error: Some(error),
             retry_after: None,
@@ -456,7 +587,17 @@ pub async fn run_callbacks(engine: Engine, stop: CancellationToken) {
             let callbacks = callbacks.clone();
             tokio::spawn(async move {
                 let started = now_ms();
-                let attempt = callbacks.attempt(&callback).await;
+                let attempt = match CallbackTarget::from_stored(&callback.target) {
+                    CallbackTarget::Url(_) => callbacks.attempt(&callback).await,
+                    CallbackTarget::Agent(agent) => {
+                        match to_agent(&engine, &callback, &agent, &callbacks).await {
+                            Some(attempt) => attempt,
+                            // Not connected: looked at again when the claim lapses; no
+                            // attempt is recorded.
+                            None => return,
+                        }
+                    }
+                };
                 let now = now_ms();
                 let settled = callbacks.settle(&callback, &attempt, now);
                 metrics::counter!("aip_sessions_callback_attempts_total", "outcome" => settled.state)
@@ -554,6 +695,7 @@ mod tests {
             payload: "{}".into(),
             attempts,
             attempts_base: base,
+            created_ms: 0,
         }
     }
 
@@ -561,6 +703,7 @@ mod tests {
     fn outcomes_settle_as_the_scheme_says() {
         let c = callbacks(false);
         let ok = Attempt {
+            delivered: true,
             status: Some(StatusCode::NO_CONTENT),
             error: None,
             retry_after: None,

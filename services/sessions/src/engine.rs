@@ -245,6 +245,8 @@ pub struct Engine {
     /// REST requests waiting for tasks' next events, woken by the leader's commits.
     pub watch: crate::watch::EventWatch,
     published: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Frames sent outside the outbox whose acknowledgement someone waits for.
+    acks_awaited: Arc<std::sync::Mutex<std::collections::HashMap<String, oneshot::Sender<()>>>>,
     /// This replica (unique per process): its lease holder id and the token of its
     /// delivery-acknowledgement subject.
     replica: Arc<str>,
@@ -288,6 +290,7 @@ impl Engine {
             frames: Arc::default(),
             watch,
             published: Arc::default(),
+            acks_awaited: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
         };
         (engine, Applier { ops: rx })
@@ -343,9 +346,61 @@ impl Engine {
     /// Records outbox rows whose delivery gateways acknowledged (or that are dropped): they
     /// are deleted with the next group.
     pub(crate) fn mark_published(&self, ids: impl IntoIterator<Item = String>) {
+        let mut ids: Vec<String> = ids.into_iter().collect();
+        if let Ok(mut waiting) = self.acks_awaited.lock()
+            && !waiting.is_empty()
+        {
+            ids.retain(|id| match waiting.remove(id) {
+                Some(written) => {
+                    let _ = written.send(());
+                    false
+                }
+                None => true,
+            });
+        }
         if let Ok(mut list) = self.published.lock() {
             list.extend(ids);
         }
+    }
+
+    /// Publishes a frame for a client's connection outside the outbox (a callback frame) and
+    /// waits up to `timeout` for its gateway to acknowledge writing it.
+    pub(crate) async fn send_acknowledged(
+        &self,
+        subject: String,
+        msg_id: &str,
+        connection: &str,
+        frame: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        let (written, acked) = oneshot::channel();
+        if let Ok(mut waiting) = self.acks_awaited.lock() {
+            waiting.insert(msg_id.to_owned(), written);
+        }
+        let headers = delivery_headers(msg_id, &self.ack_subject(), Some(connection));
+        let sent = self
+            .blobs
+            .publish(self.bus.as_ref(), subject, headers, frame.into())
+            .await;
+        let outcome = match sent {
+            Err(e) => Err(format!("cannot publish the frame: {e}")),
+            Ok(()) => match tokio::time::timeout(timeout, acked).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(_)) | Err(_) => Err(format!(
+                    "no gateway acknowledged writing the frame within {} ms",
+                    timeout.as_millis()
+                )),
+            },
+        };
+        if let Ok(mut waiting) = self.acks_awaited.lock() {
+            waiting.remove(msg_id);
+        }
+        outcome
+    }
+
+    /// The registry client.
+    pub(crate) fn registry(&self) -> &RegistryClient {
+        &self.registry
     }
 
     /// Sends an op to the leader's applier.

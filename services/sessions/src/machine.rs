@@ -61,7 +61,7 @@ pub struct NewTask {
     pub plan: Plan,
     /// Higher first.
     pub priority: i32,
-    /// Where to report the outcome.
+    /// Where to report the outcome: [`crate::callbacks::CallbackTarget::stored`].
     pub callback_url: Option<String>,
     /// The states besides the end that are reported there too.
     pub callback_on: Vec<TaskState>,

@@ -1429,7 +1429,7 @@ static CLAIM_CALLBACKS: Sql = Sql::same(
      WHERE callback_id IN (SELECT callback_id FROM task_callbacks \
          WHERE state = 'pending' AND next_attempt_ms <= $1 ORDER BY next_attempt_ms LIMIT $3) \
      AND state = 'pending' AND next_attempt_ms <= $1 \
-     RETURNING callback_id, task_id, target, payload, attempts, attempts_base",
+     RETURNING callback_id, task_id, target, payload, attempts, attempts_base, created_ms",
 );
 static RECORD_ATTEMPT: Sql = Sql::same(
     "INSERT INTO callback_attempts (callback_id, attempt, at_ms, duration_ms, status, error) \
@@ -1465,6 +1465,8 @@ pub struct DueCallback {
     pub attempts: i32,
     /// `attempts` when it was last queued (the budget counts from here).
     pub attempts_base: i32,
+    /// When it was written (epoch ms).
+    pub created_ms: i64,
 }
 
 /// A stored callback, as REST shows it.

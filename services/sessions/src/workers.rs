@@ -14,7 +14,7 @@ use proto_schemas::{ErrorBody, ErrorCode};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::callbacks::Callbacks;
+use crate::callbacks::{CallbackTarget, Callbacks};
 use crate::engine::{
     Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
@@ -681,9 +681,27 @@ pub fn new_task_from_request(
             proto_schemas::MAX_ID_BYTES
         )));
     }
-    if let Some(url) = &request.callback_url {
-        callbacks.check_url(url).map_err(invalid)?;
-    }
+    let callback = match (request.callback_url, request.callback_agent) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "give `callback_url` or `callback_agent`, not both".into(),
+            ));
+        }
+        (Some(url), None) => {
+            callbacks.check_url(&url).map_err(invalid)?;
+            Some(CallbackTarget::Url(url))
+        }
+        (None, Some(agent)) => {
+            if agent.is_empty() || agent.len() > proto_schemas::MAX_ID_BYTES {
+                return Err(invalid(format!(
+                    "`callback_agent` must be 1 to {} bytes",
+                    proto_schemas::MAX_ID_BYTES
+                )));
+            }
+            Some(CallbackTarget::Agent(agent))
+        }
+        (None, None) => None,
+    };
     let placement = match (&request.target_id, request.required_capabilities.is_empty()) {
         (Some(target), _) => Placement::Target(target.clone()),
         (None, false) => Placement::Capabilities(request.required_capabilities.clone()),
@@ -711,7 +729,7 @@ pub fn new_task_from_request(
         task_name: request.task_name,
         data: request.data,
         priority: request.priority.unwrap_or(0),
-        callback_url: request.callback_url,
+        callback_url: callback.map(|c| c.stored()),
         callback_on: request.callback_on,
         timeout_secs: request.timeout_secs,
         ..NewTask::new(

@@ -503,3 +503,112 @@ async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
     let notification: Value = serde_json::from_str(&accepted[0].body).expect("json");
     assert_eq!(notification["result"], json!({ "answer": 42 }));
 }
+
+fn agent_callbacks(s: &mut aip_sessions::SessionSettings) {
+    // A short attempt timeout makes a claim lapse soon: an agent that connects late is found
+    // within seconds.
+    s.callback_timeout_ms = 1_000;
+    s.callback_backoff_ms = 100;
+}
+
+/// A device agent that announced `callback` (or not).
+async fn agent(stack: &Stack, id: &str, extensions: &[&str]) -> Client {
+    let mut register = device_register(id, "linux");
+    register["metadata"]["aip_extensions"] = json!(extensions);
+    let client = Client::registered(&stack.ws_url(0), register).await;
+    stack.wait_online(id).await;
+    client
+}
+
+/// A completed task whose callback goes to agent `to`.
+async fn task_calling_back(stack: &Stack, dev: &mut Client, device: &str, to: &str) -> String {
+    let body = json!({ "version": 1, "description": "call an agent back", "originating_agent_id": "t",
+        "target_id": device, "callback_agent": to,
+        "steps": aip_testkit::frames::one_step("echo", json!({ "n": 1 })) });
+    let (status, task) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &body).await;
+    assert_eq!(status, 201, "{task}");
+    let command = dev.recv_type("command").await.expect("command");
+    dev.send(&command_results_for(device, &command))
+        .await
+        .expect("results");
+    task["task_id"].as_str().expect("id").to_owned()
+}
+
+/// Issue 16: a callback to an agent id is a `callback` frame when it is connected, and waits
+/// for it when it is not; an agent that did not announce the extension never gets one.
+async fn callbacks_reach_an_agent_as_frames_and_wait_for_it(backend: Backend) {
+    let options = Options {
+        sessions_settings: Some(agent_callbacks),
+        ..Options::default()
+    };
+    let stack = Stack::start(backend, options).await.expect("stack");
+    let mut dev = agent(&stack, "pc-cb", &[]).await;
+
+    // Connected: the frame comes, with the notification.
+    let mut watcher = agent(&stack, "watcher", &["callback"]).await;
+    let id = task_calling_back(&stack, &mut dev, "pc-cb", "watcher").await;
+    let frame = watcher.recv_type("callback").await.expect("callback frame");
+    assert_eq!(frame["session_id"], id.as_str());
+    assert_eq!(frame["status"], "completed");
+    assert_eq!(frame["metadata"]["task_id"], id.as_str());
+    assert_eq!(frame["metadata"]["status"], "complete");
+    assert_eq!(frame["metadata"]["sent_to"], "watcher");
+    let delivered = eventually("the callback delivered", || {
+        let stack = &stack;
+        let id = id.clone();
+        async move {
+            let c = callbacks_of(stack, &id).await;
+            (c["callbacks"][0]["state"] == "delivered").then_some(c)
+        }
+    })
+    .await
+    .expect("delivered");
+    assert_eq!(
+        delivered["callbacks"][0]["target"], "agent:watcher",
+        "{delivered}"
+    );
+
+    // Not connected yet: the callback waits, and reaches the agent once it connects.
+    let late_id = task_calling_back(&stack, &mut dev, "pc-cb", "late").await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let waiting = callbacks_of(&stack, &late_id).await;
+    assert_eq!(waiting["callbacks"][0]["state"], "pending", "{waiting}");
+    assert_eq!(
+        waiting["callbacks"][0]["attempts"], 0,
+        "waiting for an agent is not an attempt: {waiting}"
+    );
+    let mut late = agent(&stack, "late", &["callback"]).await;
+    let frame = late.recv_type("callback").await.expect("the late callback");
+    assert_eq!(frame["session_id"], late_id.as_str());
+
+    // An agent without the extension: dead-lettered, saying why; it sees no extension frame.
+    let mut plain = agent(&stack, "plain", &[]).await;
+    let plain_id = task_calling_back(&stack, &mut dev, "pc-cb", "plain").await;
+    let dead = eventually("the callback dead-lettered", || {
+        let stack = &stack;
+        let id = plain_id.clone();
+        async move {
+            let c = callbacks_of(stack, &id).await;
+            (c["callbacks"][0]["state"] == "dead").then_some(c)
+        }
+    })
+    .await
+    .expect("dead");
+    let error = dead["callbacks"][0]["log"][0]["error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(error.contains("`callback` extension"), "{dead}");
+    plain
+        .expect_silence(Duration::from_millis(300))
+        .await
+        .expect("no frame for a plain client");
+
+    // Both kinds at once are refused.
+    let both = json!({ "version": 1, "description": "x", "originating_agent_id": "t", "target_id": "pc-cb",
+        "callback_agent": "watcher", "callback_url": "http://127.0.0.1:1/hook",
+        "steps": aip_testkit::frames::one_step("echo", json!({})) });
+    let (status, refusal) = post_json(&format!("{}/api/tasks", stack.sessions_url()), &both).await;
+    assert_eq!(status, 400, "{refusal}");
+    stack.stop().await;
+}
+both_backends!(callbacks_reach_an_agent_as_frames_and_wait_for_it);
