@@ -127,6 +127,12 @@ pub(crate) enum Op {
         ask: HandoffAsk,
         reply: Reply<Task>,
     },
+    /// A question from the driver of a requester-driven task.
+    Ask {
+        task_id: String,
+        question: crate::machine::DriverQuestion,
+        reply: Reply<Task>,
+    },
     /// An answer to a task's open question, over REST or NATS.
     Answer {
         task_id: String,
@@ -615,6 +621,23 @@ impl Engine {
             .apply(|reply| Op::Answer {
                 task_id,
                 answer,
+                reply,
+            })
+            .await;
+        self.answer(result).await
+    }
+
+    /// The driver of a requester-driven task asks a question.
+    pub async fn ask_as_driver(
+        &self,
+        task_id: &str,
+        question: crate::machine::DriverQuestion,
+    ) -> Result<Task, EngineError> {
+        let task_id = task_id.to_owned();
+        let result = self
+            .apply(|reply| Op::Ask {
+                task_id,
+                question,
                 reply,
             })
             .await;
@@ -1450,6 +1473,14 @@ fn apply_op(core: &mut Machine, (op, span): Traced, waiters: &mut Vec<Waiter>) {
             reply,
         } => {
             let result = core.answer(&task_id, answer, None);
+            waiters.push(Waiter::Task(reply, result));
+        }
+        Op::Ask {
+            task_id,
+            question,
+            reply,
+        } => {
+            let result = core.ask_as_driver(&task_id, question);
             waiters.push(Waiter::Task(reply, result));
         }
     }

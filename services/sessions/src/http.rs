@@ -36,7 +36,7 @@ use utoipa_axum::routes;
 use crate::engine::{
     Engine, EngineError, NewTask, Placement, Plan, Requester, TASK_NAME_RULE, valid_task_name,
 };
-use crate::machine::{Allowance, Answer, Answerer};
+use crate::machine::{Allowance, Answer, Answerer, DriverQuestion};
 use crate::store::{ListFilter, NUL, StoreError, storable};
 use crate::task::{Task, rfc3339};
 use crate::watch::Watcher;
@@ -73,6 +73,7 @@ fn api_routes() -> OpenApiRouter<Engine> {
         .routes(routes!(complete_task))
         .routes(routes!(task_callbacks))
         .routes(routes!(answer_clarification))
+        .routes(routes!(ask_clarification))
         .routes(routes!(handoff_task))
         .routes(routes!(redeliver_callbacks))
         .routes(routes!(ufo_dispatch))
@@ -1003,6 +1004,85 @@ struct AnswerBody {
     #[serde(default)]
     #[schema(nullable = false)]
     provided_by: Option<String>,
+}
+
+/// Body of `POST /api/tasks/{id}/clarifications`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct AskBody {
+    #[schema(
+        pattern = r"[^\t\n\v\f\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+    )]
+    question: String,
+    #[serde(default)]
+    data: Option<Value>,
+    #[serde(default)]
+    #[schema(nullable = false, min_length = 1, max_length = 256)]
+    clarification_id: Option<String>,
+    #[schema(value_type = Option<i64>, minimum = 1, maximum = 4294967295_u64)]
+    #[serde(default, deserialize_with = "optional_whole_number")]
+    timeout_secs: Option<u32>,
+    #[serde(default)]
+    #[schema(nullable = false)]
+    asked_by: Option<String>,
+}
+
+/// The driver of a requester-driven task (submitted with `"driver": true`) asks its requester
+/// a question between commands: the task goes to `input_required` until the answer
+/// (`POST /api/tasks/{id}/clarifications/{clarification_id}`, or a `clarification_response`
+/// frame from a requester that announced the extension), then waits for the next command.
+#[utoipa::path(
+    post,
+    path = "/api/tasks/{id}/clarifications",
+    operation_id = "ask_clarification",
+    tag = "tasks",
+    params(("id" = String, Path, description = "the task id")),
+    request_body = AskBody,
+    responses(
+        (status = 201, description = "the task, waiting for the answer (its `clarification` is the question)", body = TaskView),
+        (status = 400, description = "an empty question, or a body of the wrong shape", body = ErrorBody),
+        (status = 404, description = NO_TASK, body = ErrorBody),
+        (status = 409, description = "not a driven task, a command's results or another answer are awaited, or the task has ended", body = ErrorBody),
+        (status = 503, description = DATABASE_DOWN, body = ErrorBody),
+    )
+)]
+async fn ask_clarification(
+    State(engine): State<Engine>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<Value>,
+) -> Result<Response, ApiError> {
+    changeable_task(&engine, &caller, &id).await?;
+    let body: AskBody = read_body(whole_numbers(body, &["timeout_secs"]))?;
+    if body.question.trim().is_empty() {
+        return Err(ApiError::invalid("`question` must not be empty"));
+    }
+    if body.timeout_secs == Some(0) {
+        return Err(ApiError::invalid("`timeout_secs` must be at least 1"));
+    }
+    if body
+        .clarification_id
+        .as_ref()
+        .is_some_and(|q| q.is_empty() || q.len() > proto_schemas::MAX_ID_BYTES)
+    {
+        return Err(ApiError::invalid(format!(
+            "`clarification_id` must be 1 to {} bytes",
+            proto_schemas::MAX_ID_BYTES
+        )));
+    }
+    let question = DriverQuestion {
+        id: body.clarification_id,
+        text: body.question,
+        data: body.data,
+        by: format!(
+            "rest:{}",
+            body.asked_by
+                .unwrap_or_else(|| caller.requester_or("api").to_owned())
+        ),
+        timeout_secs: body.timeout_secs.map(u64::from),
+    };
+    let task = engine.ask_as_driver(&id, question).await?;
+    Ok((StatusCode::CREATED, Json(task.view())).into_response())
 }
 
 /// Answers a task's open question (`input_required`, see `clarification` in the task): the

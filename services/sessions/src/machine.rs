@@ -1206,6 +1206,65 @@ impl Machine {
         Ok(())
     }
 
+    /// The driver of a requester-driven task asks its requester a question between commands:
+    /// the task waits in `input_required` for the answer, as for any other question.
+    pub fn ask_as_driver(
+        &mut self,
+        task_id: &str,
+        question: DriverQuestion,
+    ) -> Result<Task, Refusal> {
+        self.with_task(task_id, |core, task| {
+            Self::driven_check(task)?;
+            if task.state() == TaskState::Submitted {
+                return Err(Refusal::now(
+                    ErrorCode::Conflict,
+                    format!("task '{task_id}' waits for its executor to be free"),
+                ));
+            }
+            match &task.waiting {
+                Waiting::Nothing => {}
+                Waiting::Results { response_id } => {
+                    return Err(Refusal::now(
+                        ErrorCode::Conflict,
+                        format!(
+                            "task '{task_id}' waits for the results of command `{response_id}`; ask once they are in"
+                        ),
+                    ));
+                }
+                Waiting::Answer(open) => {
+                    return Err(Refusal::now(
+                        ErrorCode::Conflict,
+                        format!(
+                            "task '{task_id}' already has an open question (`{}`)",
+                            open.id
+                        ),
+                    ));
+                }
+                Waiting::Echo | Waiting::Plan => {
+                    return Err(Refusal::now(
+                        ErrorCode::Conflict,
+                        format!("task '{task_id}' cannot take a question now"),
+                    ));
+                }
+            }
+            if question.text.trim().is_empty() {
+                return Err(Refusal::now(
+                    ErrorCode::InvalidRequest,
+                    "the question is empty",
+                ));
+            }
+            let asking = Asking {
+                id: question.id,
+                text: question.text,
+                data: question.data,
+                asked_by: Asker::Driver { by: question.by },
+                timeout_secs: question.timeout_secs,
+            };
+            core.ask(task, asking)?;
+            Ok(task.clone())
+        })
+    }
+
     /// Sends commands into a requester-driven task; returns the command's `response_id` and
     /// the sequence number of its `command_sent` event. One command at a time.
     pub fn send_commands(
@@ -1225,6 +1284,15 @@ impl Machine {
                 return Err(Refusal::now(
                     ErrorCode::Conflict,
                     format!("task '{task_id}' still waits for the results of command `{pending}`"),
+                ));
+            }
+            if let Some(open) = task.waiting.question() {
+                return Err(Refusal::now(
+                    ErrorCode::Conflict,
+                    format!(
+                        "task '{task_id}' waits for the answer to question `{}`; send commands once it is answered",
+                        open.id
+                    ),
                 ));
             }
             core.apply_commands(task, step)
@@ -1666,6 +1734,10 @@ impl Machine {
                     task.deadline_ms = task.task_deadline_ms;
                     core.plan(task)?;
                 }
+                Asker::Driver { .. } => {
+                    task.waiting = Waiting::Nothing;
+                    task.deadline_ms = task.task_deadline_ms;
+                }
                 Asker::Executor { id, response_id } => {
                     let command_timeout = i64::try_from(core.settings.command_timeout_secs * 1000)
                         .unwrap_or(i64::MAX / 4);
@@ -1793,6 +1865,21 @@ struct Asking {
     data: Option<Value>,
     asked_by: Asker,
     timeout_secs: Option<u64>,
+}
+
+/// A question the driver of a requester-driven task asks.
+#[derive(Debug, Clone)]
+pub struct DriverQuestion {
+    /// The driver's own id for it (else one is made).
+    pub id: Option<String>,
+    /// The question.
+    pub text: String,
+    /// Structured detail.
+    pub data: Option<Value>,
+    /// Who asks (`rest:<name>`).
+    pub by: String,
+    /// How long to wait for the answer (at most `clarification_timeout_secs`).
+    pub timeout_secs: Option<u64>,
 }
 
 /// An answer to a task's open question.

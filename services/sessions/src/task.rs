@@ -198,6 +198,9 @@ pub enum Asker {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         call_id: Option<String>,
     },
+    /// The driver of a requester-driven task (over REST), between commands: it follows the
+    /// answer in the event log; the task then waits for its next command again.
+    Driver { by: String },
 }
 
 impl Asker {
@@ -206,6 +209,7 @@ impl Asker {
         match self {
             Asker::Executor { id, .. } => id.clone(),
             Asker::Planner { .. } => "planner".to_owned(),
+            Asker::Driver { by } => by.clone(),
         }
     }
 }

@@ -385,3 +385,93 @@ async fn an_executor_asks_mid_command_and_gets_the_answer_by_frame(backend: Back
     stack.stop().await;
 }
 both_backends!(an_executor_asks_mid_command_and_gets_the_answer_by_frame);
+
+/// Issue 16: the driver of a requester-driven task asks a question between commands; the
+/// answer comes over REST, and the driver goes on with its next command.
+async fn a_driver_asks_between_commands(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let mut dev = Client::registered(&stack.ws_url(0), device_register("pc-dq", "linux")).await;
+    stack.wait_online("pc-dq").await;
+    let base = stack.sessions_url();
+    let body = json!({ "version": 1, "description": "driven", "originating_agent_id": "agent",
+        "target_id": "pc-dq", "driver": true });
+    let (status, t) = post_json(&format!("{base}/api/tasks"), &body).await;
+    assert_eq!(status, 201, "{t}");
+    let id = t["task_id"].as_str().expect("id").to_owned();
+    let ask = format!("{base}/api/tasks/{id}/clarifications");
+
+    // While a command's results are awaited, no question.
+    let call =
+        json!({ "actions": [{ "tool_name": "echo", "tool_type": "action" }], "timeout_secs": 30 });
+    let commands = format!("{base}/api/tasks/{id}/commands");
+    let sent = tokio::spawn({
+        let (commands, call) = (commands.clone(), call.clone());
+        async move { post_json(&commands, &call).await }
+    });
+    let command = dev.recv_type("command").await.expect("command");
+    let (status, refusal) = post_json(&ask, &json!({ "question": "which file?" })).await;
+    assert_eq!(status, 409, "{refusal}");
+    dev.send(&command_results_for("pc-dq", &command))
+        .await
+        .expect("results");
+    assert_eq!(sent.await.expect("call").0, 200);
+
+    // Between commands: the task waits for the answer.
+    let (status, asked) = post_json(
+        &ask,
+        &json!({ "question": "which file?", "clarification_id": "q1", "data": { "choices": ["a", "b"] } }),
+    )
+    .await;
+    assert_eq!(status, 201, "{asked}");
+    assert_eq!(asked["state"], "input_required");
+    assert_eq!(asked["clarification"]["clarification_id"], "q1");
+    assert_eq!(asked["clarification"]["question"], "which file?");
+    let (status, refusal) = post_json(&commands, &call).await;
+    assert_eq!(
+        status, 409,
+        "no command while the question is open: {refusal}"
+    );
+    let (status, refusal) = post_json(&ask, &json!({ "question": "another?" })).await;
+    assert_eq!(status, 409, "one open question at a time: {refusal}");
+
+    let (status, answered) = post_json(
+        &format!("{ask}/q1"),
+        &json!({ "answer": "b", "provided_by": "operator" }),
+    )
+    .await;
+    assert_eq!(status, 200, "{answered}");
+    assert_eq!(answered["state"], "working");
+    let (_, events) = get_json(&format!("{base}/api/tasks/{id}/events")).await;
+    let answer = events["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .find(|e| e["kind"] == "clarification_answered")
+        .cloned()
+        .expect("the answer is in the log");
+    assert_eq!(answer["data"]["answer"], "b", "{answer}");
+
+    // And the driver goes on.
+    let next = tokio::spawn(async move { post_json(&commands, &call).await });
+    let command = dev.recv_type("command").await.expect("the next command");
+    dev.send(&command_results_for("pc-dq", &command))
+        .await
+        .expect("results");
+    assert_eq!(next.await.expect("call").0, 200);
+
+    // A task driven by a planner takes no driver's question.
+    let body = json!({ "version": 1, "description": "scripted", "originating_agent_id": "agent",
+        "target_id": "pc-dq", "steps": aip_testkit::frames::one_step("echo", json!({})) });
+    let (_, other) = post_json(&format!("{base}/api/tasks"), &body).await;
+    let other = other["task_id"].as_str().expect("id");
+    let (status, refusal) = post_json(
+        &format!("{base}/api/tasks/{other}/clarifications"),
+        &json!({ "question": "?" }),
+    )
+    .await;
+    assert_eq!(status, 409, "{refusal}");
+    stack.stop().await;
+}
+both_backends!(a_driver_asks_between_commands);
