@@ -221,7 +221,8 @@ async fn a_client_over_the_byte_rate_is_slowed_down_not_refused() {
         let asked = Instant::now();
         polite.heartbeat("polite", "device").await;
         assert!(
-            asked.elapsed() < Duration::from_millis(500),
+            // Far under the 1.4 s or more the flood waits: not held up with it.
+            asked.elapsed() < Duration::from_millis(1_000),
             "the polite client waited {:?}",
             asked.elapsed()
         );
@@ -236,7 +237,7 @@ async fn a_client_over_the_byte_rate_is_slowed_down_not_refused() {
         "4 MiB at 1 MiB/s (2 MiB burst) took only {elapsed:?}: not slowed down"
     );
     assert!(
-        elapsed < Duration::from_secs(6),
+        elapsed < Duration::from_secs(15),
         "slowed down far more than the rate asks: {elapsed:?}"
     );
     // Still connected, and once the debt is paid, answered at once again.
