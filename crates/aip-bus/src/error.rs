@@ -33,7 +33,7 @@ pub enum BusError {
     /// The connection to the bus failed.
     #[error("cannot connect to NATS at {url}: {source}; is nats-server running (with -js)?")]
     Connect {
-        /// The server URL.
+        /// The server URL, its password hidden ([`crate::redact_url`]).
         url: String,
         source: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -42,6 +42,10 @@ pub enum BusError {
         "no durable stream captures `{subject}`: start the service that creates it (aip-sessions)"
     )]
     NoStream { subject: String },
+    /// The NATS credentials or TLS settings cannot work (a file missing, two kinds of
+    /// credentials at once).
+    #[error("invalid NATS settings: {0}")]
+    Access(#[from] crate::NatsAccessError),
     /// The bus has been shut down.
     #[error("the bus is closed")]
     Closed,

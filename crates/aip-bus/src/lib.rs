@@ -10,6 +10,7 @@
 //! Messages carry [`Headers`] from the start: W3C `traceparent` for tracing and `Nats-Msg-Id`
 //! for de-duplication travel on every message that has them.
 
+mod access;
 mod blob;
 mod dedup;
 mod durable;
@@ -26,6 +27,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
+pub use access::{NatsAccess, NatsAccessError, redact_url};
 pub use blob::{BLOB_HEADER, BlobRef, BlobStore, payload_of};
 pub use dedup::RecentIds;
 pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};

@@ -9,6 +9,7 @@ use futures::{FutureExt, StreamExt};
 
 use async_nats::jetstream;
 
+use crate::access::{Auth, NatsAccess, NatsAccessError, redact_url, url_secrets};
 use crate::blob::BlobRef;
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::{Bus, BusError, Headers, Message, Subscription};
@@ -22,22 +23,65 @@ pub struct NatsBus {
 
 impl NatsBus {
     /// Connects to `url` (e.g. `nats://127.0.0.1:4222`), naming the connection `name` in the
-    /// server's monitoring.
+    /// server's monitoring, with no credentials or TLS beside what the URL says.
     pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
-        let client = async_nats::ConnectOptions::new()
+        Self::connect_with(url, name, &NatsAccess::default()).await
+    }
+
+    /// Connects to `url` with the credentials and TLS of `access`. The files it names are
+    /// checked first ([`BusError::Access`]); errors show the URL with its password hidden.
+    pub async fn connect_with(
+        url: &str,
+        name: &str,
+        access: &NatsAccess,
+    ) -> Result<Self, BusError> {
+        let auth = access.check(url)?;
+        let mut options = match auth {
+            Auth::None => async_nats::ConnectOptions::new(),
+            Auth::CredsFile(path) => async_nats::ConnectOptions::new()
+                .credentials_file(&path)
+                .await
+                .map_err(|source| NatsAccessError::Unreadable {
+                    setting: "nats_creds_file",
+                    path,
+                    source,
+                })?,
+            Auth::UserPassword { user, password } => {
+                async_nats::ConnectOptions::with_user_and_password(user, password)
+            }
+            Auth::Token(token) => async_nats::ConnectOptions::with_token(token),
+        };
+        if let Some(ca) = &access.nats_tls_ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&access.nats_tls_cert_file, &access.nats_tls_key_file) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if access.wants_tls() {
+            options = options.require_tls(true);
+        }
+        let client = options
             .name(name)
             .connection_timeout(Duration::from_secs(5))
             .subscription_capacity(65_536)
             .connect(url);
+        let shown = redact_url(url);
         let client = tokio::time::timeout(Duration::from_secs(10), client)
             .await
             .map_err(|_| BusError::Connect {
-                url: url.to_owned(),
+                url: shown.clone(),
                 source: "timed out after 10 s".into(),
             })?
-            .map_err(|e| BusError::Connect {
-                url: url.to_owned(),
-                source: Box::new(e),
+            .map_err(|e| {
+                // The client's text is not expected to echo credentials; scrub them anyway.
+                let mut text = e.to_string();
+                for secret in access.secrets().map(str::to_owned).chain(url_secrets(url)) {
+                    text = text.replace(&secret, "***");
+                }
+                BusError::Connect {
+                    url: shown.clone(),
+                    source: text.into(),
+                }
             })?;
         let jetstream = jetstream::new(client.clone());
         Ok(NatsBus { client, jetstream })
@@ -423,5 +467,48 @@ impl Bus for NatsBus {
             Ok(body.freeze())
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failed_connection_shows_the_url_without_its_password() {
+        // Nothing listens on port 1: the connection is refused at once.
+        let error = NatsBus::connect("nats://gateway:s3cret-pw@127.0.0.1:1", "test")
+            .await
+            .err()
+            .expect("refused");
+        let text = error.to_string();
+        assert!(
+            matches!(&error, BusError::Connect { url, .. } if url == "nats://gateway:***@127.0.0.1:1"),
+            "{text}"
+        );
+        assert!(!text.contains("s3cret-pw"), "{text}");
+        assert!(!format!("{error:?}").contains("s3cret-pw"), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn a_missing_creds_file_is_a_start_error_naming_the_setting() {
+        let access = NatsAccess {
+            nats_creds_file: Some("/nonexistent/aip.creds".into()),
+            ..NatsAccess::default()
+        };
+        let error = NatsBus::connect_with("nats://127.0.0.1:4222", "test", &access)
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(
+                &error,
+                BusError::Access(NatsAccessError::Unreadable {
+                    setting: "nats_creds_file",
+                    ..
+                })
+            ),
+            "{error}"
+        );
     }
 }
