@@ -52,11 +52,13 @@ impl BlobStore {
         }
     }
 
-    /// The stream to create at start-up (chunks kept one hour).
-    pub fn stream_spec(&self) -> crate::StreamSpec {
+    /// The stream to create at start-up: chunks kept one hour, at most `max_bytes` in all
+    /// (-1: no cap; see [`crate::NatsSettings::nats_blobs_max_bytes`]).
+    pub fn stream_spec(&self, max_bytes: i64) -> crate::StreamSpec {
         let mut spec =
             crate::StreamSpec::new(self.stream.clone(), vec![format!("{}.>", self.subject)]);
         spec.max_age = std::time::Duration::from_secs(3600);
+        spec.max_bytes = max_bytes;
         spec
     }
 

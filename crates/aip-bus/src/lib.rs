@@ -10,7 +10,6 @@
 //! Messages carry [`Headers`] from the start: W3C `traceparent` for tracing and `Nats-Msg-Id`
 //! for de-duplication travel on every message that has them.
 
-mod access;
 mod blob;
 mod dedup;
 mod durable;
@@ -18,6 +17,7 @@ mod error;
 mod headers;
 mod local;
 mod nats;
+mod nats_settings;
 pub mod registry;
 pub mod trace;
 
@@ -27,7 +27,6 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
-pub use access::{NatsAccess, NatsAccessError, redact_url};
 pub use blob::{BLOB_HEADER, BlobRef, BlobStore, payload_of};
 pub use dedup::RecentIds;
 pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};
@@ -35,6 +34,9 @@ pub use error::BusError;
 pub use headers::{Headers, names};
 pub use local::LocalBus;
 pub use nats::NatsBus;
+pub use nats_settings::{
+    DEFAULT_BLOBS_MAX_BYTES, DEFAULT_FRAMES_MAX_BYTES, NatsSettings, NatsSettingsError, redact_url,
+};
 pub use registry::{RegistryClient, RegistryError};
 
 /// A message as delivered to a subscriber.

@@ -304,6 +304,16 @@ impl Bus for LocalBus {
 
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
         let mut streams = write(&self.inner.streams);
+        if let Some(existing) = streams.get(&spec.name)
+            && !crate::durable::same_subjects(&existing.subjects, &spec.subjects)
+        {
+            return futures::future::ready(Err(BusError::StreamConflict {
+                stream: spec.name,
+                expected: spec.subjects,
+                found: existing.subjects.clone(),
+            }))
+            .boxed();
+        }
         streams.entry(spec.name).or_insert_with(|| {
             let (tx, rx) = mpsc::channel(STREAM_CAPACITY);
             Arc::new(LocalStream {

@@ -9,9 +9,9 @@ use futures::{FutureExt, StreamExt};
 
 use async_nats::jetstream;
 
-use crate::access::{Auth, NatsAccess, NatsAccessError, redact_url, url_secrets};
 use crate::blob::BlobRef;
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
+use crate::nats_settings::{Auth, NatsSettings, NatsSettingsError, redact_url, url_secrets};
 use crate::{Bus, BusError, Headers, Message, Subscription};
 
 /// A bus on a NATS server.
@@ -25,7 +25,7 @@ impl NatsBus {
     /// Connects to `url` (e.g. `nats://127.0.0.1:4222`), naming the connection `name` in the
     /// server's monitoring, with no credentials or TLS beside what the URL says.
     pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
-        Self::connect_with(url, name, &NatsAccess::default()).await
+        Self::connect_with(url, name, &NatsSettings::default()).await
     }
 
     /// Connects to `url` with the credentials and TLS of `access`. The files it names are
@@ -33,7 +33,7 @@ impl NatsBus {
     pub async fn connect_with(
         url: &str,
         name: &str,
-        access: &NatsAccess,
+        access: &NatsSettings,
     ) -> Result<Self, BusError> {
         let auth = access.check(url)?;
         let mut options = match auth {
@@ -41,7 +41,7 @@ impl NatsBus {
             Auth::CredsFile(path) => async_nats::ConnectOptions::new()
                 .credentials_file(&path)
                 .await
-                .map_err(|source| NatsAccessError::Unreadable {
+                .map_err(|source| NatsSettingsError::Unreadable {
                     setting: "nats_creds_file",
                     path,
                     source,
@@ -113,6 +113,14 @@ fn stream_error(
         subject: stream.to_owned(),
         source,
     }
+}
+
+/// Whether the stream refused to store a message (full: `maximum bytes exceeded`, or out of
+/// storage), by the server's error code.
+fn store_refused(error: &jetstream::context::PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<jetstream::Error>())
+        .is_some_and(|e| e.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED)
 }
 
 impl NatsBus {
@@ -245,6 +253,7 @@ impl Bus for NatsBus {
 
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
+            let wrap = |operation, e| stream_error(operation, &spec.name, e);
             let config = jetstream::stream::Config {
                 name: spec.name.clone(),
                 subjects: spec.subjects.clone(),
@@ -255,15 +264,51 @@ impl Bus for NatsBus {
                 discard: jetstream::stream::DiscardPolicy::New,
                 ..Default::default()
             };
-            self.jetstream
-                .get_or_create_stream(config)
+            let mut stream = self
+                .jetstream
+                .get_or_create_stream(config.clone())
                 .await
-                .map(|_| ())
-                .map_err(|e| BusError::Nats {
-                    operation: "create stream",
-                    subject: spec.name,
-                    source: Box::new(e),
-                })
+                .map_err(|e| wrap("create stream", Box::new(e)))?;
+            let existing = stream
+                .info()
+                .await
+                .map_err(|e| wrap("read stream", Box::new(e)))?
+                .config
+                .clone();
+            // A stream of our name that captures other subjects is not ours: refuse it
+            // rather than mixing its messages with ours.
+            if !crate::durable::same_subjects(&existing.subjects, &spec.subjects) {
+                return Err(BusError::StreamConflict {
+                    stream: spec.name,
+                    expected: spec.subjects,
+                    found: existing.subjects,
+                });
+            }
+            // Ours, made with other limits (an older version, changed settings): take the
+            // configured ones, so a size cap also reaches existing deployments.
+            let limits_differ = existing.max_bytes != config.max_bytes
+                || existing.max_age != config.max_age
+                || existing.discard != config.discard
+                || existing.duplicate_window != config.duplicate_window;
+            if limits_differ {
+                let updated = jetstream::stream::Config {
+                    max_bytes: config.max_bytes,
+                    max_age: config.max_age,
+                    discard: config.discard,
+                    duplicate_window: config.duplicate_window,
+                    ..existing
+                };
+                self.jetstream
+                    .update_stream(updated)
+                    .await
+                    .map_err(|e| wrap("update stream limits", Box::new(e)))?;
+                tracing::info!(
+                    stream = %spec.name,
+                    max_bytes = config.max_bytes,
+                    "stream limits updated to the configured ones"
+                );
+            }
+            Ok(())
         }
         .boxed()
     }
@@ -291,6 +336,7 @@ impl Bus for NatsBus {
                 Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
                     Err(BusError::NoStream { subject })
                 }
+                Err(e) if store_refused(&e) => Err(BusError::StreamFull { subject }),
                 Err(e) => Err(BusError::Nats {
                     operation: "store in stream",
                     subject,
@@ -426,7 +472,15 @@ impl Bus for NatsBus {
                     .await
                     .map_err(|e| wrap(Box::new(e)))?
                     .await
-                    .map_err(|e| wrap(Box::new(e)))?;
+                    .map_err(|e| {
+                        if store_refused(&e) {
+                            BusError::StreamFull {
+                                subject: subject.clone(),
+                            }
+                        } else {
+                            wrap(Box::new(e))
+                        }
+                    })?;
                 if ack.stream != stream {
                     return Err(wrap(
                         format!("chunk stored in stream {} instead of {stream}", ack.stream).into(),
@@ -492,9 +546,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_missing_creds_file_is_a_start_error_naming_the_setting() {
-        let access = NatsAccess {
+        let access = NatsSettings {
             nats_creds_file: Some("/nonexistent/aip.creds".into()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         let error = NatsBus::connect_with("nats://127.0.0.1:4222", "test", &access)
             .await
@@ -503,7 +557,7 @@ mod tests {
         assert!(
             matches!(
                 &error,
-                BusError::Access(NatsAccessError::Unreadable {
+                BusError::Access(NatsSettingsError::Unreadable {
                     setting: "nats_creds_file",
                     ..
                 })

@@ -73,14 +73,14 @@ impl std::fmt::Display for ServiceName {
 }
 
 /// The top-level settings every service reads (`AIP_NATS_URL`, the NATS credentials and TLS
-/// of [`aip_bus::NatsAccess`] such as `AIP_NATS_CREDS_FILE`, `AIP_DATABASE_URL`,
+/// of [`aip_bus::NatsSettings`] such as `AIP_NATS_CREDS_FILE`, `AIP_DATABASE_URL`,
 /// `AIP_SUBJECT_PREFIX`, `AIP_LOG_FORMAT`).
 #[derive(Debug, Clone, Copy)]
 pub struct Common<'a> {
     /// Where the bus is.
     pub nats_url: &'a str,
     /// How the service authenticates to NATS and checks its TLS, beside the URL.
-    pub nats: &'a aip_bus::NatsAccess,
+    pub nats: &'a aip_bus::NatsSettings,
     /// Where the database is; `None` for a service without one (the gateway).
     pub database_url: Option<&'a str>,
     /// Subject prefix shared by every service of one deployment.
@@ -322,7 +322,7 @@ mod tests {
     struct Top {
         nats_url: String,
         #[serde(flatten)]
-        nats: aip_bus::NatsAccess,
+        nats: aip_bus::NatsSettings,
     }
 
     #[test]
@@ -360,7 +360,7 @@ mod tests {
         assert!(n.nats_require_tls);
 
         let defaults: Top = crate::settings::load_from(None, Default::default()).expect("defaults");
-        assert_eq!(defaults.nats, aip_bus::NatsAccess::default());
+        assert_eq!(defaults.nats, aip_bus::NatsSettings::default());
     }
 
     #[test]

@@ -218,7 +218,7 @@ impl DevServer {
             Some(url) => {
                 // Credentials and TLS come from the same settings as the services'
                 // (`AIP_NATS_CREDS_FILE`, …); the URL is shown with its password hidden.
-                let access: aip_bus::NatsAccess =
+                let access: aip_bus::NatsSettings =
                     aip_runtime::settings::load(args.config.as_deref())?;
                 let shown = aip_bus::redact_url(url);
                 (

@@ -20,7 +20,7 @@ pub struct Settings {
     pub nats_url: String,
     /// NATS credentials and TLS beside the URL (`nats_creds_file`, `nats_user`, …, top level).
     #[serde(flatten)]
-    pub nats: aip_bus::NatsAccess,
+    pub nats: aip_bus::NatsSettings,
     /// Database URL (`postgres://…`, or `sqlite://…` embedded).
     pub database_url: String,
     /// Subject prefix shared by every service of one deployment.
@@ -188,7 +188,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             nats_url: DEFAULT_NATS_URL.to_owned(),
-            nats: aip_bus::NatsAccess::default(),
+            nats: aip_bus::NatsSettings::default(),
             database_url: DEFAULT_DATABASE_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,

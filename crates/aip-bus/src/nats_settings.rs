@@ -1,9 +1,10 @@
-//! How a service proves who it is to NATS and checks the server: credentials and TLS beside
-//! the URL, and the URL as it may be shown (password hidden).
+//! The NATS settings every service shares beside `nats_url`: how a service proves who it is
+//! to NATS and checks the server (credentials and TLS), the size caps of the streams, and the
+//! URL as it may be shown (password hidden).
 //!
 //! Every service reads the same top-level settings (`AIP_NATS_CREDS_FILE`, `AIP_NATS_USER`,
 //! `AIP_NATS_PASSWORD`, `AIP_NATS_TOKEN`, `AIP_NATS_TLS_CA_FILE`, `AIP_NATS_TLS_CERT_FILE`,
-//! `AIP_NATS_TLS_KEY_FILE`, `AIP_NATS_REQUIRE_TLS`) into one [`NatsAccess`]; the files it
+//! `AIP_NATS_TLS_KEY_FILE`, `AIP_NATS_REQUIRE_TLS`) into one [`NatsSettings`]; the files it
 //! names are checked before connecting, so a missing one is a start error that names the
 //! setting, not a handshake failure.
 
@@ -13,9 +14,9 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 /// Credentials and TLS for the NATS connection. Flattened into each service's settings, so
 /// the keys sit at the top beside `nats_url`.
-#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct NatsAccess {
+pub struct NatsSettings {
     /// A NATS credentials file (user JWT and nkey seed, as `nsc` writes it), for servers run
     /// with accounts in operator mode.
     pub nats_creds_file: Option<PathBuf>,
@@ -38,13 +39,43 @@ pub struct NatsAccess {
     pub nats_tls_key_file: Option<PathBuf>,
     /// Refuse to talk to the server without TLS (also implied by a `tls://` URL).
     pub nats_require_tls: bool,
+    /// Size cap of the frames stream in bytes (-1: none). When full, the stream refuses new
+    /// frames (the gateway answers UNAVAILABLE) instead of dropping stored ones. NATS
+    /// reserves the cap on its JetStream storage when the stream is created.
+    pub nats_frames_max_bytes: i64,
+    /// Size cap of the blob stream in bytes (-1: none); full, it refuses new large bodies.
+    pub nats_blobs_max_bytes: i64,
+}
+
+/// Default cap of the frames stream: 1 GiB.
+pub const DEFAULT_FRAMES_MAX_BYTES: i64 = 1 << 30;
+
+/// Default cap of the blob stream: 2 GiB (bodies live there one hour; twenty of UFO's
+/// largest frames at once).
+pub const DEFAULT_BLOBS_MAX_BYTES: i64 = 2 << 30;
+
+impl Default for NatsSettings {
+    fn default() -> Self {
+        NatsSettings {
+            nats_creds_file: None,
+            nats_user: None,
+            nats_password: None,
+            nats_token: None,
+            nats_tls_ca_file: None,
+            nats_tls_cert_file: None,
+            nats_tls_key_file: None,
+            nats_require_tls: false,
+            nats_frames_max_bytes: DEFAULT_FRAMES_MAX_BYTES,
+            nats_blobs_max_bytes: DEFAULT_BLOBS_MAX_BYTES,
+        }
+    }
 }
 
 /// Shows which settings are present, never the secrets themselves.
-impl std::fmt::Debug for NatsAccess {
+impl std::fmt::Debug for NatsSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let hidden = |s: &Option<String>| s.as_ref().map(|_| "***");
-        f.debug_struct("NatsAccess")
+        f.debug_struct("NatsSettings")
             .field("nats_creds_file", &self.nats_creds_file)
             .field("nats_user", &self.nats_user)
             .field("nats_password", &hidden(&self.nats_password))
@@ -53,13 +84,15 @@ impl std::fmt::Debug for NatsAccess {
             .field("nats_tls_cert_file", &self.nats_tls_cert_file)
             .field("nats_tls_key_file", &self.nats_tls_key_file)
             .field("nats_require_tls", &self.nats_require_tls)
+            .field("nats_frames_max_bytes", &self.nats_frames_max_bytes)
+            .field("nats_blobs_max_bytes", &self.nats_blobs_max_bytes)
             .finish()
     }
 }
 
 /// Why NATS access settings cannot work. Checked before connecting.
 #[derive(Debug, thiserror::Error)]
-pub enum NatsAccessError {
+pub enum NatsSettingsError {
     /// A file a setting names cannot be read.
     #[error("{setting} = {}: cannot read the file: {source}", path.display())]
     Unreadable {
@@ -79,6 +112,14 @@ pub enum NatsAccessError {
         first: &'static str,
         /// The other.
         second: &'static str,
+    },
+    /// A stream size cap that is neither -1 (none) nor positive.
+    #[error("{setting} = {value}: give a size in bytes, or -1 for none")]
+    InvalidCap {
+        /// The setting.
+        setting: &'static str,
+        /// Its value.
+        value: i64,
     },
     /// A setting that needs a partner is given without it.
     #[error("{present} is set without {missing}")]
@@ -103,10 +144,10 @@ pub(crate) enum Auth {
     Token(String),
 }
 
-impl NatsAccess {
+impl NatsSettings {
     /// Checks the combination and that every named file can be read; answers how the
     /// connection authenticates. `url` is the server URL (a user in it counts as credentials).
-    pub(crate) fn check(&self, url: &str) -> Result<Auth, NatsAccessError> {
+    pub(crate) fn check(&self, url: &str) -> Result<Auth, NatsSettingsError> {
         let mut given: Vec<&'static str> = Vec::new();
         if self.nats_creds_file.is_some() {
             given.push("nats_creds_file");
@@ -121,22 +162,30 @@ impl NatsAccess {
             given.push("a user in nats_url");
         }
         if let [first, second, ..] = given[..] {
-            return Err(NatsAccessError::Conflicting { first, second });
+            return Err(NatsSettingsError::Conflicting { first, second });
         }
         match (&self.nats_tls_cert_file, &self.nats_tls_key_file) {
             (Some(_), None) => {
-                return Err(NatsAccessError::Incomplete {
+                return Err(NatsSettingsError::Incomplete {
                     present: "nats_tls_cert_file",
                     missing: "nats_tls_key_file",
                 });
             }
             (None, Some(_)) => {
-                return Err(NatsAccessError::Incomplete {
+                return Err(NatsSettingsError::Incomplete {
                     present: "nats_tls_key_file",
                     missing: "nats_tls_cert_file",
                 });
             }
             _ => {}
+        }
+        for (setting, value) in [
+            ("nats_frames_max_bytes", self.nats_frames_max_bytes),
+            ("nats_blobs_max_bytes", self.nats_blobs_max_bytes),
+        ] {
+            if value == 0 || value < -1 {
+                return Err(NatsSettingsError::InvalidCap { setting, value });
+            }
         }
         for (setting, path) in [
             ("nats_creds_file", &self.nats_creds_file),
@@ -156,14 +205,14 @@ impl NatsAccess {
                     password: self
                         .nats_password
                         .clone()
-                        .ok_or(NatsAccessError::Incomplete {
+                        .ok_or(NatsSettingsError::Incomplete {
                             present: "nats_user",
                             missing: "nats_password",
                         })?,
                 },
                 (None, None, Some(token)) => Auth::Token(token.clone()),
                 (None, None, None) if self.nats_password.is_some() => {
-                    return Err(NatsAccessError::Incomplete {
+                    return Err(NatsSettingsError::Incomplete {
                         present: "nats_password",
                         missing: "nats_user",
                     });
@@ -190,8 +239,8 @@ impl NatsAccess {
 }
 
 /// Opens `path` for reading, as the client will later, to fail early with the setting's name.
-fn readable(setting: &'static str, path: &Path) -> Result<(), NatsAccessError> {
-    let unreadable = |source| NatsAccessError::Unreadable {
+fn readable(setting: &'static str, path: &Path) -> Result<(), NatsSettingsError> {
+    let unreadable = |source| NatsSettingsError::Unreadable {
         setting,
         path: path.to_owned(),
         source,
@@ -323,11 +372,11 @@ mod tests {
 
     #[test]
     fn debug_output_hides_secrets() {
-        let access = NatsAccess {
+        let access = NatsSettings {
             nats_user: Some("gateway".into()),
             nats_password: Some("hunter2".into()),
             nats_token: Some("t0ken".into()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         let text = format!("{access:?}");
         assert!(
@@ -340,46 +389,46 @@ mod tests {
     #[test]
     fn combinations_are_checked() {
         let url = "nats://127.0.0.1:4222";
-        assert!(matches!(NatsAccess::default().check(url), Ok(Auth::None)));
-        let user = NatsAccess {
+        assert!(matches!(NatsSettings::default().check(url), Ok(Auth::None)));
+        let user = NatsSettings {
             nats_user: Some("u".into()),
             nats_password: Some("p".into()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         assert!(matches!(user.check(url), Ok(Auth::UserPassword { .. })));
         assert!(matches!(
             user.check("nats://x:y@127.0.0.1:4222"),
-            Err(NatsAccessError::Conflicting { .. })
+            Err(NatsSettingsError::Conflicting { .. })
         ));
-        let both = NatsAccess {
+        let both = NatsSettings {
             nats_token: Some("t".into()),
             ..user.clone()
         };
         assert!(matches!(
             both.check(url),
-            Err(NatsAccessError::Conflicting {
+            Err(NatsSettingsError::Conflicting {
                 first: "nats_user",
                 second: "nats_token"
             })
         ));
-        let no_password = NatsAccess {
+        let no_password = NatsSettings {
             nats_user: Some("u".into()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         assert!(matches!(
             no_password.check(url),
-            Err(NatsAccessError::Incomplete {
+            Err(NatsSettingsError::Incomplete {
                 missing: "nats_password",
                 ..
             })
         ));
-        let cert_only = NatsAccess {
+        let cert_only = NatsSettings {
             nats_tls_cert_file: Some("/etc/hostname".into()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         assert!(matches!(
             cert_only.check(url),
-            Err(NatsAccessError::Incomplete {
+            Err(NatsSettingsError::Incomplete {
                 missing: "nats_tls_key_file",
                 ..
             })
@@ -388,9 +437,9 @@ mod tests {
 
     #[test]
     fn a_missing_file_names_its_setting() {
-        let access = NatsAccess {
+        let access = NatsSettings {
             nats_creds_file: Some("/nonexistent/aip.creds".into()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         let error = access
             .check("nats://127.0.0.1:4222")
@@ -401,13 +450,13 @@ mod tests {
             text.starts_with("nats_creds_file = /nonexistent/aip.creds: cannot read the file"),
             "{text}"
         );
-        let dir = NatsAccess {
+        let dir = NatsSettings {
             nats_tls_ca_file: Some(std::env::temp_dir()),
-            ..NatsAccess::default()
+            ..NatsSettings::default()
         };
         assert!(matches!(
             dir.check("nats://127.0.0.1:4222"),
-            Err(NatsAccessError::Unreadable {
+            Err(NatsSettingsError::Unreadable {
                 setting: "nats_tls_ca_file",
                 ..
             })
