@@ -60,6 +60,32 @@ impl NatsBus {
         if access.wants_tls() {
             options = options.require_tls(true);
         }
+        // Server errors (a permissions violation above all) reach the client only as an
+        // event: log them, or a refused publish would go unnoticed.
+        let connection = name.to_owned();
+        options = options.event_callback(move |event| {
+            let connection = connection.clone();
+            async move {
+                match event {
+                    async_nats::Event::ServerError(e) => {
+                        tracing::warn!(%connection, "NATS server error: {e}")
+                    }
+                    async_nats::Event::ClientError(e) => {
+                        tracing::warn!(%connection, "NATS client error: {e}")
+                    }
+                    async_nats::Event::SlowConsumer(sid) => {
+                        tracing::warn!(%connection, sid, "NATS slow consumer: messages dropped")
+                    }
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!(%connection, "disconnected from NATS; reconnecting")
+                    }
+                    async_nats::Event::Connected => {
+                        tracing::debug!(%connection, "connected to NATS")
+                    }
+                    other => tracing::info!(%connection, "NATS: {other}"),
+                }
+            }
+        });
         let client = options
             .name(name)
             .connection_timeout(Duration::from_secs(5))
