@@ -46,6 +46,15 @@ pub enum BusError {
     /// credentials at once).
     #[error("invalid NATS settings: {0}")]
     Access(#[from] crate::NatsSettingsError),
+    /// An `Aip-Blob` reference that is not one of this deployment's blobs, or does not add
+    /// up: refused before anything is reserved for it.
+    #[error("refused blob reference on `{subject}`: {problem}")]
+    BadBlobRef {
+        /// The subject of the message carrying it.
+        subject: String,
+        /// What is wrong with it.
+        problem: crate::BlobRefProblem,
+    },
     /// The stream refused to store the message: it is full (its `max_bytes` cap, or the
     /// server's storage). Stored messages are kept; trying again helps only once the stream
     /// has room (messages age out or are consumed).

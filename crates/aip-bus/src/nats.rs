@@ -9,7 +9,7 @@ use futures::{FutureExt, StreamExt};
 
 use async_nats::jetstream;
 
-use crate::blob::BlobRef;
+use crate::blob::{BlobChunk, BlobRef};
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::nats_settings::{Auth, NatsSettings, NatsSettingsError, redact_url, url_secrets};
 use crate::{Bus, BusError, Headers, Message, Subscription};
@@ -523,28 +523,29 @@ impl Bus for NatsBus {
         .boxed()
     }
 
-    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>> {
+    fn get_blob_chunk(
+        &self,
+        stream: String,
+        sequence: u64,
+    ) -> BoxFuture<'_, Result<BlobChunk, BusError>> {
         async move {
             let wrap = |e: Box<dyn std::error::Error + Send + Sync>| BusError::Nats {
-                operation: "read blob",
-                subject: blob.stream.clone(),
+                operation: "read blob chunk",
+                subject: stream.clone(),
                 source: e,
             };
-            let stream = self
+            let message = self
                 .jetstream
-                .get_stream(&blob.stream)
+                .get_stream_no_info(&stream)
+                .await
+                .map_err(|e| wrap(Box::new(e)))?
+                .get_raw_message(sequence)
                 .await
                 .map_err(|e| wrap(Box::new(e)))?;
-            let mut body =
-                bytes::BytesMut::with_capacity(blob.size.min(crate::blob::MAX_BLOB_BYTES));
-            for sequence in &blob.sequences {
-                let message = stream
-                    .get_raw_message(*sequence)
-                    .await
-                    .map_err(|e| wrap(Box::new(e)))?;
-                body.extend_from_slice(&message.payload);
-            }
-            Ok(body.freeze())
+            Ok(BlobChunk {
+                subject: message.subject.to_string(),
+                data: message.payload,
+            })
         }
         .boxed()
     }

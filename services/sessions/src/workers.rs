@@ -366,8 +366,18 @@ async fn read_event(
         .get(names::MSG_ID)
         .map(str::to_owned)
         .unwrap_or_else(|| format!("{}:{}", delivery.message.subject, uuid::Uuid::new_v4()));
-    let payload = match aip_bus::payload_of(engine.bus().as_ref(), &delivery.message).await {
+    let payload = match engine
+        .blobs()
+        .payload_of(engine.bus().as_ref(), &delivery.message)
+        .await
+    {
         Ok(payload) => payload,
+        Err(e @ aip_bus::BusError::BadBlobRef { .. }) => {
+            // Not ours or not consistent: reading it again cannot help.
+            tracing::error!(subject = %delivery.message.subject, "frame with a refused blob reference, dropped: {e}");
+            let _ = delivery.ack().await;
+            return None;
+        }
         Err(e) => {
             tracing::warn!(
                 attempt = delivery.delivered,
