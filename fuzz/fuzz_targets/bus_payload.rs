@@ -5,7 +5,7 @@
 //! - the registry: its requests (read like `bus_api::parse`, with the field path) and
 //!   `PresenceBatch`;
 //! - the registry client (gateway, sessions): the registry's replies;
-//! - every receiver: the `Aip-Blob` header, resolved by `payload_of`.
+//! - every receiver: the `Aip-Blob` header, resolved by `BlobStore::payload_of`.
 //!
 //! None may panic, and whatever decodes must re-encode to the same value.
 
@@ -13,7 +13,7 @@
 
 use std::fmt::Debug;
 
-use aip_bus::{BLOB_HEADER, Headers, LocalBus, Message, payload_of};
+use aip_bus::{BLOB_HEADER, BlobStore, Headers, LocalBus, Message};
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use proto_schemas::flow::TaskRequest;
@@ -86,6 +86,7 @@ fuzz_target!(|data: &[u8]| {
             headers: Headers::new().with(BLOB_HEADER, text),
             payload: Bytes::new(),
         };
-        let _ = futures::executor::block_on(payload_of(&bus, &message));
+        let store = BlobStore::for_subjects(&proto_schemas::Subjects::default());
+        let _ = futures::executor::block_on(store.payload_of(&bus, &message));
     }
 });

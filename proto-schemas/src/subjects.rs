@@ -98,12 +98,74 @@ pub fn is_valid_token(token: &str) -> bool {
 
 /// Why a subject prefix was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "invalid subject prefix `{prefix}`: use one or more dot-separated tokens of A-Z a-z 0-9 _ - (for example `aip` or `tenant1.aip`)"
-)]
+#[error("invalid subject prefix `{prefix}`: {reason}")]
 pub struct InvalidPrefix {
     /// The refused prefix.
     pub prefix: String,
+    /// What is wrong with it.
+    pub reason: PrefixProblem,
+}
+
+/// What is wrong with a refused subject prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PrefixProblem {
+    /// Not dot-separated tokens of the allowed characters.
+    #[error(
+        "use one or more dot-separated tokens of A-Z a-z 0-9 _ - (for example `aip` or `tenant1.aip`)"
+    )]
+    Syntax,
+    /// A token is the first word of a subject family (`frames`, `deliver`, …): such a prefix
+    /// would overlap another deployment's subjects (`aip.frames` lies inside `aip`'s frames
+    /// stream).
+    #[error(
+        "its token `{0}` names a subject family (deliver, sessions, registry, presence, frames,          blobs, planner), so its subjects would overlap those of a shorter prefix; choose other          words (for example `tenant1.aip`)"
+    )]
+    ReservedToken(&'static str),
+    /// It starts with `_INBOX`, where every client's replies arrive.
+    #[error("`_INBOX` is where NATS replies arrive; choose another first token")]
+    Inbox,
+}
+
+/// The first token of every subject family after the prefix (`deliver`, `frames`, …), from
+/// [`CATALOGUE`]. No prefix may contain one as a token: then no deployment's subjects can lie
+/// inside another's (see [`Subjects::new`]).
+pub fn reserved_tokens() -> impl Iterator<Item = &'static str> {
+    let mut seen: Vec<&'static str> = Vec::new();
+    CATALOGUE.iter().filter_map(move |spec| {
+        let first = spec.template.split('.').next().unwrap_or(spec.template);
+        if seen.contains(&first) {
+            None
+        } else {
+            seen.push(first);
+            Some(first)
+        }
+    })
+}
+
+/// Encodes a prefix for a JetStream stream or consumer name, injectively: `.` becomes `_`,
+/// `_` becomes `-_` and `-` becomes `--`; letters and digits stay. Stream names may not hold
+/// `.`, and the plain replacement of `.` by `_` made `t1.aip` and `t1_aip` share streams;
+/// this code is prefix-free, so two prefixes never give the same name. `aip` and `t1.aip` keep
+/// the names they had (`aip`, `t1_aip`).
+///
+/// ```
+/// use proto_schemas::subjects::name_token;
+/// assert_eq!(name_token("aip"), "aip");
+/// assert_eq!(name_token("t1.aip"), "t1_aip");
+/// assert_eq!(name_token("t1_aip"), "t1-_aip");
+/// assert_eq!(name_token("a-b"), "a--b");
+/// ```
+pub fn name_token(prefix: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 4);
+    for c in prefix.chars() {
+        match c {
+            '.' => out.push('_'),
+            '_' => out.push_str("-_"),
+            '-' => out.push_str("--"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// How a subject is used.
@@ -338,22 +400,39 @@ impl Default for Subjects {
 
 impl Subjects {
     /// Subjects under `prefix`, which must be dot-separated tokens of `A-Z a-z 0-9 _ -`.
+    ///
+    /// Tenants sharing a NATS server must not see each other's subjects. Two prefixes of which
+    /// neither extends the other (`t1.aip`, `t2.aip`) have disjoint subjects; one extending the
+    /// other (`aip` and `aip.frames`) overlaps when the token after the shorter one is a
+    /// subject family (`aip.frames.registry.get` is inside `aip.frames.>`, the frames stream of
+    /// `aip`). So no token may be a family's word ([`reserved_tokens`]), and `_INBOX` may not
+    /// come first: then any two valid prefixes have disjoint subjects.
     pub fn new(prefix: &str) -> Result<Self, InvalidPrefix> {
-        let ok = !prefix.is_empty()
+        let refuse = |reason| InvalidPrefix {
+            prefix: prefix.to_owned(),
+            reason,
+        };
+        let syntax = !prefix.is_empty()
             && prefix.split('.').all(|t| {
                 !t.is_empty()
                     && t.bytes()
                         .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
             });
-        if ok {
-            Ok(Subjects {
-                prefix: prefix.to_owned(),
-            })
-        } else {
-            Err(InvalidPrefix {
-                prefix: prefix.to_owned(),
-            })
+        if !syntax {
+            return Err(refuse(PrefixProblem::Syntax));
         }
+        if let Some(token) = prefix
+            .split('.')
+            .find_map(|t| reserved_tokens().find(|r| *r == t))
+        {
+            return Err(refuse(PrefixProblem::ReservedToken(token)));
+        }
+        if prefix.split('.').next() == Some("_INBOX") {
+            return Err(refuse(PrefixProblem::Inbox));
+        }
+        Ok(Subjects {
+            prefix: prefix.to_owned(),
+        })
     }
 
     /// The prefix.
@@ -425,9 +504,16 @@ impl Subjects {
         self.join("frames.>")
     }
 
-    /// The frames stream's name: the prefix with `.` as `_`, then `_frames`.
+    /// The frames stream's name: the prefix as [`name_token`] encodes it, then `_frames`
+    /// (`aip_frames`). Different prefixes never share it.
     pub fn frames_stream(&self) -> String {
-        format!("{}_frames", self.prefix.replace('.', "_"))
+        format!("{}_frames", name_token(&self.prefix))
+    }
+
+    /// The session service's durable consumer on the frames stream: the prefix as
+    /// [`name_token`] encodes it, then `-sessions` (`aip-sessions`).
+    pub fn sessions_consumer(&self) -> String {
+        format!("{}-sessions", name_token(&self.prefix))
     }
 
     /// `blobs`: the subject prefix of stored large bodies.
@@ -435,9 +521,10 @@ impl Subjects {
         self.join("blobs")
     }
 
-    /// The blob stream's name: the prefix with `.` as `_`, then `_blobs`.
+    /// The blob stream's name: the prefix as [`name_token`] encodes it, then `_blobs`
+    /// (`aip_blobs`). Different prefixes never share it.
     pub fn blobs_stream(&self) -> String {
-        format!("{}_blobs", self.prefix.replace('.', "_"))
+        format!("{}_blobs", name_token(&self.prefix))
     }
 
     /// `sessions.submit`.
@@ -565,7 +652,84 @@ mod tests {
         assert_eq!(s.deliver("a.b"), "t1.aip.deliver.a~2Eb");
         assert_eq!(s.registry_register(), "t1.aip.registry.register");
         assert!(Subjects::new("a..b").is_err());
+        assert!(Subjects::new("a/b").is_err());
         assert!(Subjects::new("a.*").is_err());
         assert!(Subjects::new("").is_err());
+    }
+
+    #[test]
+    fn prefixes_that_would_overlap_are_refused() {
+        for (prefix, token) in [
+            ("aip.frames", "frames"),
+            ("aip.deliver", "deliver"),
+            ("t1.sessions.x", "sessions"),
+            ("registry", "registry"),
+            ("a.blobs", "blobs"),
+            ("a.presence", "presence"),
+            ("a.planner", "planner"),
+        ] {
+            let error = Subjects::new(prefix).expect_err(prefix);
+            assert_eq!(
+                error.reason,
+                PrefixProblem::ReservedToken(token),
+                "{prefix}"
+            );
+        }
+        assert_eq!(
+            Subjects::new("_INBOX.aip").expect_err("inbox").reason,
+            PrefixProblem::Inbox
+        );
+        for prefix in ["aip", "t1.aip", "t1_aip", "aip.t1", "frames_x", "x-frames"] {
+            Subjects::new(prefix).expect(prefix);
+        }
+        assert_eq!(
+            reserved_tokens().collect::<Vec<_>>(),
+            [
+                "deliver", "sessions", "registry", "presence", "frames", "blobs", "planner"
+            ]
+        );
+    }
+
+    #[test]
+    fn stream_and_consumer_names_keep_tenants_apart() {
+        let names = |p: &str| {
+            let s = Subjects::new(p).expect(p);
+            (s.frames_stream(), s.blobs_stream(), s.sessions_consumer())
+        };
+        assert_eq!(
+            names("aip"),
+            (
+                "aip_frames".into(),
+                "aip_blobs".into(),
+                "aip-sessions".into()
+            ),
+            "the default prefix keeps the names existing deployments have"
+        );
+        assert_eq!(names("t1.aip").0, "t1_aip_frames");
+        assert_eq!(names("t1_aip").0, "t1-_aip_frames");
+        assert_ne!(names("t1.aip"), names("t1_aip"));
+        // The pair a plain `_`-for-`.` code would also confuse both ways.
+        assert_ne!(names("a._b"), names("a_.b"));
+    }
+
+    proptest! {
+        #[test]
+        fn different_prefixes_never_share_a_name(
+            a in "[a-c_.-]{1,6}",
+            b in "[a-c_.-]{1,6}",
+        ) {
+            let (Ok(sa), Ok(sb)) = (Subjects::new(&a), Subjects::new(&b)) else {
+                return Ok(());
+            };
+            if a != b {
+                prop_assert_ne!(sa.frames_stream(), sb.frames_stream());
+                prop_assert_ne!(sa.blobs_stream(), sb.blobs_stream());
+                prop_assert_ne!(sa.sessions_consumer(), sb.sessions_consumer());
+                prop_assert_ne!(sa.frames_stream(), sb.blobs_stream());
+            }
+            for name in [sa.frames_stream(), sa.blobs_stream(), sa.sessions_consumer()] {
+                prop_assert!(name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-'));
+            }
+        }
     }
 }

@@ -41,9 +41,22 @@ impl StreamSpec {
     }
 }
 
-/// The stream name for a subject prefix and a purpose: `aip` + `frames` → `aip_frames`.
+/// Whether two subject lists are the same set (order does not matter).
+pub(crate) fn same_subjects(a: &[String], b: &[String]) -> bool {
+    let mut a: Vec<&String> = a.iter().collect();
+    let mut b: Vec<&String> = b.iter().collect();
+    a.sort();
+    a.dedup();
+    b.sort();
+    b.dedup();
+    a == b
+}
+
+/// The stream name for a subject prefix and a purpose: `aip` + `frames` → `aip_frames`. The
+/// prefix is encoded by [`proto_schemas::subjects::name_token`], so different prefixes never
+/// share a stream (`t1.aip` → `t1_aip_frames`, `t1_aip` → `t1-_aip_frames`).
 pub fn stream_name(prefix: &str, purpose: &str) -> String {
-    format!("{}_{purpose}", prefix.replace('.', "_"))
+    format!("{}_{purpose}", proto_schemas::subjects::name_token(prefix))
 }
 
 /// A message from a durable consumer; it is redelivered until acked.

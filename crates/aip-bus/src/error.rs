@@ -33,7 +33,7 @@ pub enum BusError {
     /// The connection to the bus failed.
     #[error("cannot connect to NATS at {url}: {source}; is nats-server running (with -js)?")]
     Connect {
-        /// The server URL.
+        /// The server URL, its password hidden ([`crate::redact_url`]).
         url: String,
         source: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -42,6 +42,43 @@ pub enum BusError {
         "no durable stream captures `{subject}`: start the service that creates it (aip-sessions)"
     )]
     NoStream { subject: String },
+    /// The NATS credentials or TLS settings cannot work (a file missing, two kinds of
+    /// credentials at once).
+    #[error("invalid NATS settings: {0}")]
+    Access(#[from] crate::NatsSettingsError),
+    /// An `Aip-Blob` reference that is not one of this deployment's blobs, or does not add
+    /// up: refused before anything is reserved for it.
+    #[error("refused blob reference on `{subject}`: {problem}")]
+    BadBlobRef {
+        /// The subject of the message carrying it.
+        subject: String,
+        /// What is wrong with it.
+        problem: crate::BlobRefProblem,
+    },
+    /// The stream refused to store the message: it is full (its `max_bytes` cap, or the
+    /// server's storage). Stored messages are kept; trying again helps only once the stream
+    /// has room (messages age out or are consumed).
+    #[error("the stream capturing `{subject}` is full and refused the message")]
+    StreamFull {
+        /// The subject published to.
+        subject: String,
+    },
+    /// A stream of the expected name exists and captures other subjects: it belongs to
+    /// something else (another deployment, an older layout), and using it would mix their
+    /// messages with ours.
+    #[error(
+        "stream {stream} exists and captures {found:?}, not {expected:?}: it belongs to another \
+         deployment or an older version; delete it (nats stream rm {stream}) or choose another \
+         subject prefix"
+    )]
+    StreamConflict {
+        /// The stream's name.
+        stream: String,
+        /// The subjects we need it to capture.
+        expected: Vec<String>,
+        /// The subjects it captures.
+        found: Vec<String>,
+    },
     /// The bus has been shut down.
     #[error("the bus is closed")]
     Closed,

@@ -17,6 +17,7 @@ mod error;
 mod headers;
 mod local;
 mod nats;
+mod nats_settings;
 pub mod registry;
 pub mod trace;
 
@@ -26,13 +27,16 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
-pub use blob::{BLOB_HEADER, BlobRef, BlobStore, payload_of};
+pub use blob::{BLOB_HEADER, BlobChunk, BlobRef, BlobRefProblem, BlobStore, MAX_BLOB_BYTES};
 pub use dedup::RecentIds;
 pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};
 pub use error::BusError;
 pub use headers::{Headers, names};
 pub use local::LocalBus;
 pub use nats::NatsBus;
+pub use nats_settings::{
+    DEFAULT_BLOBS_MAX_BYTES, DEFAULT_FRAMES_MAX_BYTES, NatsSettings, NatsSettingsError, redact_url,
+};
 pub use registry::{RegistryClient, RegistryError};
 
 /// A message as delivered to a subscriber.
@@ -118,8 +122,13 @@ pub trait Bus: Send + Sync + 'static {
         chunk: usize,
     ) -> BoxFuture<'_, Result<BlobRef, BusError>>;
 
-    /// Reads a stored body back.
-    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>>;
+    /// Reads one stored chunk back (sequence `sequence` of blob stream `stream`), with the
+    /// subject it was stored under. [`BlobStore::payload_of`] checks and joins them.
+    fn get_blob_chunk(
+        &self,
+        stream: String,
+        sequence: u64,
+    ) -> BoxFuture<'_, Result<BlobChunk, BusError>>;
 
     /// Consumes a stream through the named durable consumer; consumers sharing a name share
     /// the messages. At most `max_in_flight` messages are delivered and not yet acked.

@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use tokio::sync::mpsc;
 
-use crate::blob::BlobRef;
+use crate::blob::{BlobChunk, BlobRef};
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
 use crate::headers::names;
 use crate::{Bus, BusError, Headers, Message, RecentIds, Subscription, subject_matches};
@@ -45,7 +45,7 @@ impl LocalStream {
 struct LocalBlobs {
     next: u64,
     bytes: usize,
-    chunks: std::collections::BTreeMap<u64, Bytes>,
+    chunks: std::collections::BTreeMap<u64, BlobChunk>,
 }
 
 /// Most bytes of blobs kept in process; the oldest go first.
@@ -304,6 +304,16 @@ impl Bus for LocalBus {
 
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
         let mut streams = write(&self.inner.streams);
+        if let Some(existing) = streams.get(&spec.name)
+            && !crate::durable::same_subjects(&existing.subjects, &spec.subjects)
+        {
+            return futures::future::ready(Err(BusError::StreamConflict {
+                stream: spec.name,
+                expected: spec.subjects,
+                found: existing.subjects.clone(),
+            }))
+            .boxed();
+        }
         streams.entry(spec.name).or_insert_with(|| {
             let (tx, rx) = mpsc::channel(STREAM_CAPACITY);
             Arc::new(LocalStream {
@@ -398,7 +408,7 @@ impl Bus for LocalBus {
     fn put_blob(
         &self,
         stream: String,
-        _subject: String,
+        subject: String,
         body: Bytes,
         chunk: usize,
     ) -> BoxFuture<'_, Result<BlobRef, BusError>> {
@@ -408,14 +418,20 @@ impl Bus for LocalBus {
             blobs.next += 1;
             let seq = blobs.next;
             blobs.bytes += piece.len();
-            blobs.chunks.insert(seq, body.slice_ref(piece));
+            blobs.chunks.insert(
+                seq,
+                BlobChunk {
+                    subject: subject.clone(),
+                    data: body.slice_ref(piece),
+                },
+            );
             sequences.push(seq);
         }
         while blobs.bytes > LOCAL_BLOB_BYTES {
             let Some((_, old)) = blobs.chunks.pop_first() else {
                 break;
             };
-            blobs.bytes -= old.len();
+            blobs.bytes -= old.data.len();
         }
         futures::future::ready(Ok(BlobRef {
             stream,
@@ -425,20 +441,19 @@ impl Bus for LocalBus {
         .boxed()
     }
 
-    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>> {
+    fn get_blob_chunk(
+        &self,
+        stream: String,
+        sequence: u64,
+    ) -> BoxFuture<'_, Result<BlobChunk, BusError>> {
         let blobs = self.inner.blobs.lock().unwrap_or_else(|p| p.into_inner());
-        let mut body = bytes::BytesMut::with_capacity(blob.size.min(crate::blob::MAX_BLOB_BYTES));
-        for seq in &blob.sequences {
-            match blobs.chunks.get(seq) {
-                Some(chunk) => body.extend_from_slice(chunk),
-                None => {
-                    return futures::future::ready(Err(BusError::NoStream {
-                        subject: format!("{} (blob chunk {seq} expired)", blob.stream),
-                    }))
-                    .boxed();
-                }
-            }
-        }
-        futures::future::ready(Ok(body.freeze())).boxed()
+        let chunk = blobs
+            .chunks
+            .get(&sequence)
+            .cloned()
+            .ok_or_else(|| BusError::NoStream {
+                subject: format!("{stream} (blob chunk {sequence} expired)"),
+            });
+        futures::future::ready(chunk).boxed()
     }
 }

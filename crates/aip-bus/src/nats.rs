@@ -9,8 +9,9 @@ use futures::{FutureExt, StreamExt};
 
 use async_nats::jetstream;
 
-use crate::blob::BlobRef;
+use crate::blob::{BlobChunk, BlobRef};
 use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
+use crate::nats_settings::{Auth, NatsSettings, NatsSettingsError, redact_url, url_secrets};
 use crate::{Bus, BusError, Headers, Message, Subscription};
 
 /// A bus on a NATS server.
@@ -22,22 +23,91 @@ pub struct NatsBus {
 
 impl NatsBus {
     /// Connects to `url` (e.g. `nats://127.0.0.1:4222`), naming the connection `name` in the
-    /// server's monitoring.
+    /// server's monitoring, with no credentials or TLS beside what the URL says.
     pub async fn connect(url: &str, name: &str) -> Result<Self, BusError> {
-        let client = async_nats::ConnectOptions::new()
+        Self::connect_with(url, name, &NatsSettings::default()).await
+    }
+
+    /// Connects to `url` with the credentials and TLS of `access`. The files it names are
+    /// checked first ([`BusError::Access`]); errors show the URL with its password hidden.
+    pub async fn connect_with(
+        url: &str,
+        name: &str,
+        access: &NatsSettings,
+    ) -> Result<Self, BusError> {
+        let auth = access.check(url)?;
+        let mut options = match auth {
+            Auth::None => async_nats::ConnectOptions::new(),
+            Auth::CredsFile(path) => async_nats::ConnectOptions::new()
+                .credentials_file(&path)
+                .await
+                .map_err(|source| NatsSettingsError::Unreadable {
+                    setting: "nats_creds_file",
+                    path,
+                    source,
+                })?,
+            Auth::UserPassword { user, password } => {
+                async_nats::ConnectOptions::with_user_and_password(user, password)
+            }
+            Auth::Token(token) => async_nats::ConnectOptions::with_token(token),
+        };
+        if let Some(ca) = &access.nats_tls_ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&access.nats_tls_cert_file, &access.nats_tls_key_file) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if access.wants_tls() {
+            options = options.require_tls(true);
+        }
+        // Server errors (a permissions violation above all) reach the client only as an
+        // event: log them, or a refused publish would go unnoticed.
+        let connection = name.to_owned();
+        options = options.event_callback(move |event| {
+            let connection = connection.clone();
+            async move {
+                match event {
+                    async_nats::Event::ServerError(e) => {
+                        tracing::warn!(%connection, "NATS server error: {e}")
+                    }
+                    async_nats::Event::ClientError(e) => {
+                        tracing::warn!(%connection, "NATS client error: {e}")
+                    }
+                    async_nats::Event::SlowConsumer(sid) => {
+                        tracing::warn!(%connection, sid, "NATS slow consumer: messages dropped")
+                    }
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!(%connection, "disconnected from NATS; reconnecting")
+                    }
+                    async_nats::Event::Connected => {
+                        tracing::debug!(%connection, "connected to NATS")
+                    }
+                    other => tracing::info!(%connection, "NATS: {other}"),
+                }
+            }
+        });
+        let client = options
             .name(name)
             .connection_timeout(Duration::from_secs(5))
             .subscription_capacity(65_536)
             .connect(url);
+        let shown = redact_url(url);
         let client = tokio::time::timeout(Duration::from_secs(10), client)
             .await
             .map_err(|_| BusError::Connect {
-                url: url.to_owned(),
+                url: shown.clone(),
                 source: "timed out after 10 s".into(),
             })?
-            .map_err(|e| BusError::Connect {
-                url: url.to_owned(),
-                source: Box::new(e),
+            .map_err(|e| {
+                // The client's text is not expected to echo credentials; scrub them anyway.
+                let mut text = e.to_string();
+                for secret in access.secrets().map(str::to_owned).chain(url_secrets(url)) {
+                    text = text.replace(&secret, "***");
+                }
+                BusError::Connect {
+                    url: shown.clone(),
+                    source: text.into(),
+                }
             })?;
         let jetstream = jetstream::new(client.clone());
         Ok(NatsBus { client, jetstream })
@@ -69,6 +139,14 @@ fn stream_error(
         subject: stream.to_owned(),
         source,
     }
+}
+
+/// Whether the stream refused to store a message (full: `maximum bytes exceeded`, or out of
+/// storage), by the server's error code.
+fn store_refused(error: &jetstream::context::PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<jetstream::Error>())
+        .is_some_and(|e| e.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED)
 }
 
 impl NatsBus {
@@ -201,6 +279,7 @@ impl Bus for NatsBus {
 
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
+            let wrap = |operation, e| stream_error(operation, &spec.name, e);
             let config = jetstream::stream::Config {
                 name: spec.name.clone(),
                 subjects: spec.subjects.clone(),
@@ -211,15 +290,51 @@ impl Bus for NatsBus {
                 discard: jetstream::stream::DiscardPolicy::New,
                 ..Default::default()
             };
-            self.jetstream
-                .get_or_create_stream(config)
+            let mut stream = self
+                .jetstream
+                .get_or_create_stream(config.clone())
                 .await
-                .map(|_| ())
-                .map_err(|e| BusError::Nats {
-                    operation: "create stream",
-                    subject: spec.name,
-                    source: Box::new(e),
-                })
+                .map_err(|e| wrap("create stream", Box::new(e)))?;
+            let existing = stream
+                .info()
+                .await
+                .map_err(|e| wrap("read stream", Box::new(e)))?
+                .config
+                .clone();
+            // A stream of our name that captures other subjects is not ours: refuse it
+            // rather than mixing its messages with ours.
+            if !crate::durable::same_subjects(&existing.subjects, &spec.subjects) {
+                return Err(BusError::StreamConflict {
+                    stream: spec.name,
+                    expected: spec.subjects,
+                    found: existing.subjects,
+                });
+            }
+            // Ours, made with other limits (an older version, changed settings): take the
+            // configured ones, so a size cap also reaches existing deployments.
+            let limits_differ = existing.max_bytes != config.max_bytes
+                || existing.max_age != config.max_age
+                || existing.discard != config.discard
+                || existing.duplicate_window != config.duplicate_window;
+            if limits_differ {
+                let updated = jetstream::stream::Config {
+                    max_bytes: config.max_bytes,
+                    max_age: config.max_age,
+                    discard: config.discard,
+                    duplicate_window: config.duplicate_window,
+                    ..existing
+                };
+                self.jetstream
+                    .update_stream(updated)
+                    .await
+                    .map_err(|e| wrap("update stream limits", Box::new(e)))?;
+                tracing::info!(
+                    stream = %spec.name,
+                    max_bytes = config.max_bytes,
+                    "stream limits updated to the configured ones"
+                );
+            }
+            Ok(())
         }
         .boxed()
     }
@@ -247,6 +362,7 @@ impl Bus for NatsBus {
                 Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
                     Err(BusError::NoStream { subject })
                 }
+                Err(e) if store_refused(&e) => Err(BusError::StreamFull { subject }),
                 Err(e) => Err(BusError::Nats {
                     operation: "store in stream",
                     subject,
@@ -382,7 +498,15 @@ impl Bus for NatsBus {
                     .await
                     .map_err(|e| wrap(Box::new(e)))?
                     .await
-                    .map_err(|e| wrap(Box::new(e)))?;
+                    .map_err(|e| {
+                        if store_refused(&e) {
+                            BusError::StreamFull {
+                                subject: subject.clone(),
+                            }
+                        } else {
+                            wrap(Box::new(e))
+                        }
+                    })?;
                 if ack.stream != stream {
                     return Err(wrap(
                         format!("chunk stored in stream {} instead of {stream}", ack.stream).into(),
@@ -399,29 +523,73 @@ impl Bus for NatsBus {
         .boxed()
     }
 
-    fn get_blob(&self, blob: BlobRef) -> BoxFuture<'_, Result<Bytes, BusError>> {
+    fn get_blob_chunk(
+        &self,
+        stream: String,
+        sequence: u64,
+    ) -> BoxFuture<'_, Result<BlobChunk, BusError>> {
         async move {
             let wrap = |e: Box<dyn std::error::Error + Send + Sync>| BusError::Nats {
-                operation: "read blob",
-                subject: blob.stream.clone(),
+                operation: "read blob chunk",
+                subject: stream.clone(),
                 source: e,
             };
-            let stream = self
+            let message = self
                 .jetstream
-                .get_stream(&blob.stream)
+                .get_stream_no_info(&stream)
+                .await
+                .map_err(|e| wrap(Box::new(e)))?
+                .get_raw_message(sequence)
                 .await
                 .map_err(|e| wrap(Box::new(e)))?;
-            let mut body =
-                bytes::BytesMut::with_capacity(blob.size.min(crate::blob::MAX_BLOB_BYTES));
-            for sequence in &blob.sequences {
-                let message = stream
-                    .get_raw_message(*sequence)
-                    .await
-                    .map_err(|e| wrap(Box::new(e)))?;
-                body.extend_from_slice(&message.payload);
-            }
-            Ok(body.freeze())
+            Ok(BlobChunk {
+                subject: message.subject.to_string(),
+                data: message.payload,
+            })
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failed_connection_shows_the_url_without_its_password() {
+        // Nothing listens on port 1: the connection is refused at once.
+        let error = NatsBus::connect("nats://gateway:s3cret-pw@127.0.0.1:1", "test")
+            .await
+            .err()
+            .expect("refused");
+        let text = error.to_string();
+        assert!(
+            matches!(&error, BusError::Connect { url, .. } if url == "nats://gateway:***@127.0.0.1:1"),
+            "{text}"
+        );
+        assert!(!text.contains("s3cret-pw"), "{text}");
+        assert!(!format!("{error:?}").contains("s3cret-pw"), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn a_missing_creds_file_is_a_start_error_naming_the_setting() {
+        let access = NatsSettings {
+            nats_creds_file: Some("/nonexistent/aip.creds".into()),
+            ..NatsSettings::default()
+        };
+        let error = NatsBus::connect_with("nats://127.0.0.1:4222", "test", &access)
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(
+                &error,
+                BusError::Access(NatsSettingsError::Unreadable {
+                    setting: "nats_creds_file",
+                    ..
+                })
+            ),
+            "{error}"
+        );
     }
 }

@@ -100,7 +100,11 @@ pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
     }
     settings.validate().context("checking settings")?;
 
-    let bus = NatsBus::connect(common.nats_url, service.binary()).await?;
+    let bus = NatsBus::connect_with(common.nats_url, service.binary(), common.nats).await?;
+    tracing::info!(
+        nats = %aip_bus::redact_url(common.nats_url),
+        "connected to NATS"
+    );
     let database = match common.database_url {
         Some(url) => Some(connect_database(url, &settings.pool_options()).await?),
         None => None,

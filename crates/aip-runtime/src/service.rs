@@ -72,12 +72,15 @@ impl std::fmt::Display for ServiceName {
     }
 }
 
-/// The top-level settings every service reads (`AIP_NATS_URL`, `AIP_DATABASE_URL`,
+/// The top-level settings every service reads (`AIP_NATS_URL`, the NATS credentials and TLS
+/// of [`aip_bus::NatsSettings`] such as `AIP_NATS_CREDS_FILE`, `AIP_DATABASE_URL`,
 /// `AIP_SUBJECT_PREFIX`, `AIP_LOG_FORMAT`).
 #[derive(Debug, Clone, Copy)]
 pub struct Common<'a> {
     /// Where the bus is.
     pub nats_url: &'a str,
+    /// How the service authenticates to NATS and checks its TLS, beside the URL.
+    pub nats: &'a aip_bus::NatsSettings,
     /// Where the database is; `None` for a service without one (the gateway).
     pub database_url: Option<&'a str>,
     /// Subject prefix shared by every service of one deployment.
@@ -311,6 +314,53 @@ mod tests {
                 .contains("gateway.credentials_file (AIP_GATEWAY__CREDENTIALS_FILE="),
             "{error}"
         );
+    }
+
+    /// The top of a service's settings, as the services declare it.
+    #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+    #[serde(default)]
+    struct Top {
+        nats_url: String,
+        #[serde(flatten)]
+        nats: aip_bus::NatsSettings,
+    }
+
+    #[test]
+    fn nats_access_settings_come_from_top_level_variables() {
+        let environment = [
+            ("AIP_NATS_URL", "nats://bus:4222"),
+            ("AIP_NATS_CREDS_FILE", "/run/secrets/aip.creds"),
+            ("AIP_NATS_USER", "gateway"),
+            ("AIP_NATS_PASSWORD", "123456"),
+            ("AIP_NATS_TOKEN", "true"),
+            ("AIP_NATS_TLS_CA_FILE", "/etc/nats/ca.pem"),
+            ("AIP_NATS_TLS_CERT_FILE", "/etc/nats/cert.pem"),
+            ("AIP_NATS_TLS_KEY_FILE", "/etc/nats/key.pem"),
+            ("AIP_NATS_REQUIRE_TLS", "true"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let top: Top = crate::settings::load_from(None, environment).expect("loads");
+        assert_eq!(top.nats_url, "nats://bus:4222");
+        let n = &top.nats;
+        assert_eq!(
+            n.nats_creds_file.as_deref(),
+            Some(std::path::Path::new("/run/secrets/aip.creds"))
+        );
+        assert_eq!(n.nats_user.as_deref(), Some("gateway"));
+        // A password of digits arrives as a number from the environment and is kept as text.
+        assert_eq!(n.nats_password.as_deref(), Some("123456"));
+        assert_eq!(n.nats_token.as_deref(), Some("true"));
+        assert_eq!(
+            n.nats_tls_ca_file.as_deref(),
+            Some(std::path::Path::new("/etc/nats/ca.pem"))
+        );
+        assert!(n.nats_tls_cert_file.is_some() && n.nats_tls_key_file.is_some());
+        assert!(n.nats_require_tls);
+
+        let defaults: Top = crate::settings::load_from(None, Default::default()).expect("defaults");
+        assert_eq!(defaults.nats, aip_bus::NatsSettings::default());
     }
 
     #[test]

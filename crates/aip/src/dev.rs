@@ -215,12 +215,25 @@ impl DevServer {
         };
 
         let (bus, bus_text): (SharedBus, String) = match &args.nats_url {
-            Some(url) => (
-                Arc::new(NatsBus::connect(url, "aip-dev").await.with_context(|| {
-                    format!("cannot connect to NATS at {url}: is nats-server running there?")
-                })?),
-                format!("NATS at {url}, subjects {}.*", args.subject_prefix),
-            ),
+            Some(url) => {
+                // Credentials and TLS come from the same settings as the services'
+                // (`AIP_NATS_CREDS_FILE`, …); the URL is shown with its password hidden.
+                let access: aip_bus::NatsSettings =
+                    aip_runtime::settings::load(args.config.as_deref())?;
+                let shown = aip_bus::redact_url(url);
+                (
+                    Arc::new(
+                        NatsBus::connect_with(url, "aip-dev", &access)
+                            .await
+                            .with_context(|| {
+                                format!(
+                                    "cannot connect to NATS at {shown}: is nats-server running there?"
+                                )
+                            })?,
+                    ),
+                    format!("NATS at {shown}, subjects {}.*", args.subject_prefix),
+                )
+            }
             None => (
                 Arc::new(LocalBus::new()),
                 "in-process (remote planners and other processes need --nats-url)".to_owned(),

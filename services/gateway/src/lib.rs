@@ -227,7 +227,10 @@ impl runner::Service for Application {
             None => Credentials::disabled(),
         };
         let blobs = aip_bus::BlobStore::for_subjects(&subjects);
-        if let Err(e) = bus.ensure_stream(blobs.stream_spec()).await {
+        if let Err(e) = bus
+            .ensure_stream(blobs.stream_spec(settings.nats.nats_blobs_max_bytes))
+            .await
+        {
             tracing::warn!(
                 "cannot create the blob stream (frames over the bus limit will fail): {e}"
             );

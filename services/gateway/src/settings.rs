@@ -20,6 +20,9 @@ use serde::{Deserialize, Serialize};
 pub struct Settings {
     /// NATS server URL.
     pub nats_url: String,
+    /// NATS credentials and TLS beside the URL (`nats_creds_file`, `nats_user`, …, top level).
+    #[serde(flatten)]
+    pub nats: aip_bus::NatsSettings,
     /// Subject prefix shared by every service of one deployment.
     pub subject_prefix: String,
     /// `pretty` for a terminal, `json` for a log collector.
@@ -118,6 +121,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             nats_url: DEFAULT_NATS_URL.to_owned(),
+            nats: aip_bus::NatsSettings::default(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
             gateway: GatewaySettings::default(),
@@ -157,6 +161,7 @@ impl ServiceSettings for Settings {
     fn common(&self) -> Common<'_> {
         Common {
             nats_url: &self.nats_url,
+            nats: &self.nats,
             database_url: None,
             subject_prefix: &self.subject_prefix,
             log_format: self.log_format,

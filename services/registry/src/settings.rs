@@ -26,6 +26,9 @@ pub const MAX_IN_FLIGHT: usize = 100_000;
 pub struct Settings {
     /// NATS server URL (the binary always talks NATS; `aip dev` passes an in-process bus).
     pub nats_url: String,
+    /// NATS credentials and TLS beside the URL (`nats_creds_file`, `nats_user`, …, top level).
+    #[serde(flatten)]
+    pub nats: aip_bus::NatsSettings,
     /// Database URL: `postgres://…` in the distributed mode, `sqlite://…` embedded.
     pub database_url: String,
     /// Subject prefix shared by every service of one deployment.
@@ -79,6 +82,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             nats_url: DEFAULT_NATS_URL.to_owned(),
+            nats: aip_bus::NatsSettings::default(),
             database_url: DEFAULT_DATABASE_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
@@ -114,6 +118,7 @@ impl ServiceSettings for Settings {
     fn common(&self) -> Common<'_> {
         Common {
             nats_url: &self.nats_url,
+            nats: &self.nats,
             database_url: Some(&self.database_url),
             subject_prefix: &self.subject_prefix,
             log_format: self.log_format,

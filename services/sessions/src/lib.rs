@@ -195,7 +195,7 @@ impl runner::Service for Application {
             planners,
             callbacks,
         );
-        workers::ensure_frames_stream(&engine).await?;
+        workers::ensure_frames_stream(&engine, &settings.nats).await?;
         let acks = engine.bus().subscribe(engine.ack_subject()).await?;
         let listener =
             ServiceListener::open(ServiceName::Sessions, settings.sessions.listen, listening)

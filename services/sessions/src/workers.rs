@@ -25,23 +25,25 @@ use aip_bus::Delivery;
 use proto_schemas::ClientMessageType;
 use proto_schemas::sessions::InboundFrame;
 
-/// The durable consumer's name, shared by every replica.
+/// The queue group of the session service's request subjects, shared by every replica. (The
+/// durable consumer on the frames stream is named after the prefix:
+/// [`proto_schemas::Subjects::sessions_consumer`].)
 pub const CONSUMER: &str = "aip-sessions";
 
-/// Creates the frames stream the gateways publish into, and the blob stream.
-pub async fn ensure_frames_stream(engine: &Engine) -> Result<(), aip_bus::BusError> {
+/// Creates the frames stream the gateways publish into, and the blob stream, with the size
+/// caps of `nats` (a full stream refuses new messages instead of dropping stored ones).
+pub async fn ensure_frames_stream(
+    engine: &Engine,
+    nats: &aip_bus::NatsSettings,
+) -> Result<(), aip_bus::BusError> {
     let subjects = engine.subjects();
     engine
         .bus()
-        .ensure_stream(engine.blobs().stream_spec())
+        .ensure_stream(engine.blobs().stream_spec(nats.nats_blobs_max_bytes))
         .await?;
-    engine
-        .bus()
-        .ensure_stream(StreamSpec::new(
-            subjects.frames_stream(),
-            vec![subjects.frames_all()],
-        ))
-        .await
+    let mut frames = StreamSpec::new(subjects.frames_stream(), vec![subjects.frames_all()]);
+    frames.max_bytes = nats.nats_frames_max_bytes;
+    engine.bus().ensure_stream(frames).await
 }
 
 /// Consumes the frames stream until `stop` (the end of this replica's leadership). Frames
@@ -61,7 +63,11 @@ pub async fn consume_frames(
     loop {
         let deliveries = match engine
             .bus()
-            .consume(stream.clone(), CONSUMER.to_owned(), max_in_flight)
+            .consume(
+                stream.clone(),
+                engine.subjects().sessions_consumer(),
+                max_in_flight,
+            )
             .await
         {
             Ok(deliveries) => deliveries,
@@ -96,7 +102,7 @@ pub async fn consume_frames(
 async fn release_held_frames(engine: &Engine, stream: &str) {
     match engine
         .bus()
-        .release_pending(stream.to_owned(), CONSUMER.to_owned())
+        .release_pending(stream.to_owned(), engine.subjects().sessions_consumer())
         .await
     {
         Ok(0) => {}
@@ -360,8 +366,18 @@ async fn read_event(
         .get(names::MSG_ID)
         .map(str::to_owned)
         .unwrap_or_else(|| format!("{}:{}", delivery.message.subject, uuid::Uuid::new_v4()));
-    let payload = match aip_bus::payload_of(engine.bus().as_ref(), &delivery.message).await {
+    let payload = match engine
+        .blobs()
+        .payload_of(engine.bus().as_ref(), &delivery.message)
+        .await
+    {
         Ok(payload) => payload,
+        Err(e @ aip_bus::BusError::BadBlobRef { .. }) => {
+            // Not ours or not consistent: reading it again cannot help.
+            tracing::error!(subject = %delivery.message.subject, "frame with a refused blob reference, dropped: {e}");
+            let _ = delivery.ack().await;
+            return None;
+        }
         Err(e) => {
             tracing::warn!(
                 attempt = delivery.delivered,

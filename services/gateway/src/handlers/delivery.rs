@@ -49,7 +49,12 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         acknowledge(client, &message).await;
         return Ok(());
     }
-    let payload = match aip_bus::payload_of(client.state.bus.as_ref(), &message).await {
+    let payload = match client
+        .state
+        .blobs
+        .payload_of(client.state.bus.as_ref(), &message)
+        .await
+    {
         Ok(payload) => payload,
         Err(e) => {
             tracing::error!(subject = %message.subject, "a large frame for this client could not be read back: {e}");
