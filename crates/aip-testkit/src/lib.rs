@@ -162,6 +162,13 @@ impl Infra {
     }
 }
 
+/// The frames stream's cap in a test stack: NATS reserves a stream's cap on its storage, and
+/// tests running at once on one server each have their streams.
+pub const TEST_FRAMES_MAX_BYTES: i64 = 256 << 20;
+/// The blobs stream's cap in a test stack: room for the largest frame a test sends (100 MiB)
+/// twice over.
+pub const TEST_BLOBS_MAX_BYTES: i64 = 512 << 20;
+
 /// What a test may change.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -318,6 +325,8 @@ impl Stack {
                 ..Default::default()
             };
             settings.sessions.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+            settings.nats.nats_frames_max_bytes = TEST_FRAMES_MAX_BYTES;
+            settings.nats.nats_blobs_max_bytes = TEST_BLOBS_MAX_BYTES;
             settings.sessions.max_tasks_per_agent = options.max_tasks_per_agent;
             settings.sessions.command_timeout_secs = options.command_timeout_secs;
             settings.sessions.planner = options.planner.clone();
@@ -372,6 +381,7 @@ impl Stack {
             ..Default::default()
         };
         settings.nats_url = nats_url();
+        settings.nats.nats_blobs_max_bytes = TEST_BLOBS_MAX_BYTES;
         settings.gateway.listen = SocketAddr::from(([127, 0, 0, 1], 0));
         settings.gateway.presence_interval_ms = self.options.presence_interval_ms;
         settings.gateway.liveness_timeout_ms = self.options.client_liveness_ms;

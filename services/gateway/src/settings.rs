@@ -197,6 +197,17 @@ impl ServiceSettings for Settings {
                 ),
             ));
         }
+        if g.max_frame_bytes > proto_schemas::MAX_FRAME_BYTES {
+            return Err(StartError::invalid(
+                ServiceName::Gateway,
+                format!(
+                    "max_frame_bytes must be at most {} (100 MiB, UFO's limit): larger frames \
+                     would not fit the session service's blob bound; got {}",
+                    proto_schemas::MAX_FRAME_BYTES,
+                    g.max_frame_bytes
+                ),
+            ));
+        }
         if g.bytes_per_second != 0 && g.bytes_per_second < MIN_BYTES_PER_SECOND {
             return Err(StartError::invalid(
                 ServiceName::Gateway,

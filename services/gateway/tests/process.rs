@@ -38,6 +38,10 @@ impl GatewayProcess {
             .env("AIP_LOG_FORMAT", "json")
             .env("AIP_NATS_URL", nats_url())
             .env("AIP_SUBJECT_PREFIX", &stack.prefix)
+            .env(
+                "AIP_NATS_BLOBS_MAX_BYTES",
+                aip_testkit::TEST_BLOBS_MAX_BYTES.to_string(),
+            )
             .env("AIP_GATEWAY__LISTEN", format!("127.0.0.1:{port}"))
             .env("AIP_GATEWAY__GATEWAY_ID", &id)
             .env("AIP_GATEWAY__PRESENCE_INTERVAL_MS", "300")

@@ -160,6 +160,14 @@ async fn one_task_is_one_trace_across_processes() {
         ("AIP_DATABASE_URL".to_owned(), database.url().to_owned()),
         ("AIP_SUBJECT_PREFIX".to_owned(), prefix.clone()),
         (
+            "AIP_NATS_FRAMES_MAX_BYTES".to_owned(),
+            aip_testkit::TEST_FRAMES_MAX_BYTES.to_string(),
+        ),
+        (
+            "AIP_NATS_BLOBS_MAX_BYTES".to_owned(),
+            aip_testkit::TEST_BLOBS_MAX_BYTES.to_string(),
+        ),
+        (
             "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
             format!("http://127.0.0.1:{otlp_port}"),
         ),

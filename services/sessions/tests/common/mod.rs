@@ -31,6 +31,14 @@ pub fn start_sessions(stack: &Stack, port: u16, envs: &[(&str, &str)]) -> Proces
         .env("AIP_NATS_URL", nats_url())
         .env("AIP_DATABASE_URL", &stack.database_url)
         .env("AIP_SUBJECT_PREFIX", &stack.prefix)
+        .env(
+            "AIP_NATS_FRAMES_MAX_BYTES",
+            aip_testkit::TEST_FRAMES_MAX_BYTES.to_string(),
+        )
+        .env(
+            "AIP_NATS_BLOBS_MAX_BYTES",
+            aip_testkit::TEST_BLOBS_MAX_BYTES.to_string(),
+        )
         .env("AIP_SESSIONS__LISTEN", format!("127.0.0.1:{port}"))
         .env("RUST_LOG", "warn")
         .envs(envs.iter().copied())
