@@ -342,7 +342,7 @@ pub struct AgentQuery {
 pub enum AgentActionOutcome {
     /// The registration, as stored.
     Registered(AddressedAgent),
-    /// The agents found (never empty), addressed agents first, then devices; by id within each.
+    /// The agents found (never empty): addressed agents by id, then devices least loaded first.
     Found(Vec<FoundAgent>),
 }
 
