@@ -73,7 +73,9 @@ pub struct TaskRequest {
 }
 
 /// The status of a [`TaskResponse`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskResponseStatus {
     /// Done.
@@ -85,7 +87,7 @@ pub enum TaskResponseStatus {
 }
 
 /// The outcome (or progress) of a task.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]
 pub struct TaskResponse {
     /// Always 1.
     pub version: V1,
