@@ -289,3 +289,106 @@ pub struct PresenceEntry {
     /// Its connection.
     pub connection_id: String,
 }
+
+/// `registry.agents`: seed 004's agent management, asked of the registry by the session
+/// service once it has read a TaskRequest as one (see [`crate::flow::AgentRequestKind`]).
+///
+/// These agents are reached at an address (HTTP, or host and port): they are not WebSocket
+/// clients, and the registry keeps them in a table of their own, one row per agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ManageAgents {
+    /// Always 1.
+    pub version: V1,
+    /// Who asks: `rest:<key name>` or `nats:<originating_agent_id>`; kept with a registration.
+    pub requested_by: String,
+    /// What to do.
+    pub action: AgentAction,
+}
+
+/// The two requests of seed 004's "Agent Management".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentAction {
+    /// "register me as an agent".
+    Register(AgentRegistration),
+    /// "find an agent".
+    Find(AgentQuery),
+}
+
+/// An agent to register: who it is, what it can do, where it is reached.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AgentRegistration {
+    /// The agent's id (unique among these agents and the WebSocket clients not offline).
+    pub agent_id: String,
+    /// What it can do (at least one; no duplicates).
+    pub capabilities: Vec<String>,
+    /// Where it is reached: a URL (`https://host:port/path`) or `host:port`.
+    pub address: String,
+    /// Its availability; only `available` agents are found.
+    pub status: AgentStatus,
+}
+
+/// Agents to find: those with every one of these capabilities.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AgentQuery {
+    /// At least one; all are required.
+    pub capabilities: Vec<String>,
+}
+
+/// The `registry.agents` answer (a refusal is a [`Reply::Error`]: `REGISTRATION_FAILED` for a
+/// taken id, `NOT_FOUND` when no agent matches, `INVALID_REQUEST` for a malformed request).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentActionOutcome {
+    /// The registration, as stored.
+    Registered(AddressedAgent),
+    /// The agents found (never empty): addressed agents by id, then devices least loaded first.
+    Found(Vec<FoundAgent>),
+}
+
+/// The `registry.agents` reply.
+pub type ManageAgentsReply = Reply<AgentActionOutcome>;
+
+/// An agent registered by "register me as an agent", as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AddressedAgent {
+    /// The agent's id.
+    pub agent_id: String,
+    /// What it can do.
+    pub capabilities: Vec<String>,
+    /// Where it is reached.
+    pub address: String,
+    /// Its availability.
+    pub status: AgentStatus,
+    /// Who registered it (see [`ManageAgents::requested_by`]).
+    pub registered_by: String,
+    /// When.
+    pub registered_at: DateTime<Utc>,
+}
+
+/// How a found agent is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FoundAgentKind {
+    /// Registered by "register me as an agent": reached at its `address`.
+    Addressed,
+    /// A UFO device connected over WebSocket: reached through the broker (submit a task with
+    /// it as `target_id`).
+    Device,
+}
+
+/// One agent in the answer to "find an agent".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FoundAgent {
+    /// The agent's id.
+    pub agent_id: String,
+    /// How it is reached.
+    pub kind: FoundAgentKind,
+    /// What it can do.
+    pub capabilities: Vec<String>,
+    /// Where it is reached (addressed agents only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Its availability (always `available`: only available agents are found).
+    pub status: AgentStatus,
+}

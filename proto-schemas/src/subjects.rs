@@ -303,6 +303,20 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         description: "Available, live agents with all the given capabilities, least loaded first.",
     },
     SubjectSpec {
+        name: "registry.agents",
+        template: "registry.agents",
+        pattern: Pattern::RequestReply,
+        payload: "ManageAgents",
+        reply: Some("ManageAgentsReply"),
+        publishers: &["aip-sessions"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "Seed 004's agent management, read by the session service from a TaskRequest: \
+            register an agent reached at an address (refused with REGISTRATION_FAILED when the id is \
+            taken, by such an agent or by a WebSocket client not offline), or find the available \
+            agents with all the given capabilities, addressed agents and connected devices alike \
+            (refused with NOT_FOUND when there is none).",
+    },
+    SubjectSpec {
         name: "presence",
         template: "presence.{gateway}",
         pattern: Pattern::Publish,
@@ -348,7 +362,7 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         reply: Some("SubmitReply"),
         publishers: &["any NATS client (an LLM agent, another service)"],
         consumers: &["aip-sessions (queue group `aip-sessions`)"],
-        description: "Submit a task over NATS; the reply says which executor got it, or why none did.",
+        description: "Submit a task over NATS; the reply says which executor got it, or why none did. A request that is seed 004's agent management (\"register me as an agent\", \"find an agent\") creates no task: the reply is its TaskResponse.",
     },
     SubjectSpec {
         name: "sessions.clarify",
@@ -477,6 +491,11 @@ impl Subjects {
     /// `registry.gateway_started`.
     pub fn registry_gateway_started(&self) -> String {
         self.join("registry.gateway_started")
+    }
+
+    /// `registry.agents`.
+    pub fn registry_agents(&self) -> String {
+        self.join("registry.agents")
     }
 
     /// `sessions.acks.{replica}`: delivery confirmations for one session replica.

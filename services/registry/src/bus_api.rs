@@ -1,7 +1,7 @@
 //! The registry's request/reply subjects on the bus.
 //!
 //! Each subject (`registry.register`, `registry.unregister`, `registry.get`,
-//! `registry.get_many`, `registry.lookup`, `registry.gateway_started`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
+//! `registry.get_many`, `registry.lookup`, `registry.gateway_started`, `registry.agents`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
 //! work. Every request runs in its own task, holding a permit of one semaphore shared by all
 //! subjects: at most `max_in_flight` requests at once, and the subscription is not read while
 //! none is free (NATS buffers, then drops as a slow consumer; the caller times out and retries).
@@ -36,6 +36,7 @@ pub struct RequestSubscriptions {
     get_many: Subscription,
     lookup: Subscription,
     gateway_started: Subscription,
+    agents: Subscription,
 }
 
 impl RequestSubscriptions {
@@ -60,6 +61,9 @@ impl RequestSubscriptions {
                 .await?,
             gateway_started: bus
                 .queue_subscribe(subjects.registry_gateway_started(), group())
+                .await?,
+            agents: bus
+                .queue_subscribe(subjects.registry_agents(), group())
                 .await?,
         })
     }
@@ -121,17 +125,30 @@ impl RequestSubscriptions {
             let r = r.clone();
             async move { r.lookup(req).await }
         });
-        let r = registry;
+        let r = registry.clone();
         let gateway_started = serve(
             "registry.gateway_started",
             self.gateway_started,
-            ctx,
+            ctx.clone(),
             move |req| {
                 let r = r.clone();
                 async move { r.gateway_started(req).await }
             },
         );
-        tokio::join!(register, unregister, get, get_many, lookup, gateway_started);
+        let r = registry;
+        let agents = serve("registry.agents", self.agents, ctx, move |req| {
+            let r = r.clone();
+            async move { r.manage(req).await }
+        });
+        tokio::join!(
+            register,
+            unregister,
+            get,
+            get_many,
+            lookup,
+            gateway_started,
+            agents
+        );
     }
 }
 

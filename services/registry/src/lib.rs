@@ -8,6 +8,9 @@
 //!   device; a live id is not registered twice, except taken over by the same credential);
 //! - `registry.unregister`, `registry.get`, `registry.lookup` (available, live agents with the
 //!   capabilities asked for, least loaded first);
+//! - `registry.agents`: seed 004's agent management, asked by the session service for a
+//!   TaskRequest saying "register me as an agent" (agents reached at an address, kept in a
+//!   table of their own) or "find an agent" (those and the available devices);
 //!
 //! takes gateways' presence batches ([`presence`]) and marks offline what stopped being live
 //! ([`reaper`]). Its REST API ([`http`]) serves UFO's `/api/clients` and `/api/health` and

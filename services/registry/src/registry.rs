@@ -9,8 +9,10 @@
 use std::sync::Arc;
 
 use proto_schemas::registry::{
-    AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents, LookupAgents,
-    MAX_GET_MANY, RegisterAgent, Registered, UnregisterAgent, Unregistered,
+    AgentAction, AgentActionOutcome, AgentQuery, AgentRecord, AgentRegistration, AgentStatus,
+    FoundAgent, FoundAgentKind, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents,
+    LookupAgents, MAX_GET_MANY, ManageAgents, RegisterAgent, Registered, UnregisterAgent,
+    Unregistered,
 };
 use proto_schemas::{ClientType, ErrorBody, ErrorCode};
 
@@ -30,6 +32,9 @@ pub const GATEWAY_RESTARTED: &str = "gateway_restarted";
 pub const DEFAULT_LOOKUP_LIMIT: u32 = 10;
 /// Lookup never answers more than this many agents.
 pub const MAX_LOOKUP_LIMIT: u32 = 1000;
+
+/// "find an agent" answers at most this many agents of each kind (addressed, devices).
+pub const FIND_LIMIT: u32 = 100;
 
 /// The registry's request handlers.
 #[derive(Clone)]
@@ -217,6 +222,135 @@ impl Registry {
             windows: self.windows,
         };
         self.store.lookup(&query).await.map_err(store_failure)
+    }
+}
+
+impl Registry {
+    /// `registry.agents`: seed 004's agent management.
+    ///
+    /// Register: stores an agent reached at an address, refused (`REGISTRATION_FAILED`,
+    /// "Agent with ID X is already registered") when an addressed agent or a WebSocket client
+    /// not offline holds the id. Find: the available agents with every capability asked for,
+    /// addressed agents (by id) then live devices (least loaded first), at most [`FIND_LIMIT`]
+    /// of each; none is refused (`NOT_FOUND`, "No available agents found").
+    pub async fn manage(&self, request: ManageAgents) -> Result<AgentActionOutcome, ErrorBody> {
+        match request.action {
+            AgentAction::Register(registration) => self
+                .register_addressed(registration, &request.requested_by)
+                .await
+                .map(AgentActionOutcome::Registered),
+            AgentAction::Find(query) => self.find(query).await.map(AgentActionOutcome::Found),
+        }
+    }
+
+    async fn register_addressed(
+        &self,
+        registration: AgentRegistration,
+        requested_by: &str,
+    ) -> Result<proto_schemas::registry::AddressedAgent, ErrorBody> {
+        let invalid = |detail: &str| {
+            ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!("Invalid registration request: {detail}"),
+            )
+        };
+        if registration.agent_id.trim().is_empty() {
+            return Err(invalid("no agent id"));
+        }
+        if registration.capabilities.is_empty() {
+            return Err(invalid("no capabilities"));
+        }
+        if registration.address.is_empty() {
+            return Err(invalid("no address"));
+        }
+        let stored = self
+            .store
+            .register_addressed(&registration, requested_by)
+            .await
+            .map_err(store_failure)?;
+        match stored {
+            Some(agent) => {
+                tracing::info!(
+                    agent_id = %agent.agent_id,
+                    address = %agent.address,
+                    registered_by = %agent.registered_by,
+                    "Agent {} registered successfully with capabilities: {}.",
+                    agent.agent_id,
+                    agent.capabilities.join(", ")
+                );
+                Ok(agent)
+            }
+            None => {
+                tracing::info!(
+                    agent_id = %registration.agent_id,
+                    "Error: Agent with ID {} is already registered.",
+                    registration.agent_id
+                );
+                Err(ErrorBody::new(
+                    ErrorCode::RegistrationFailed,
+                    format!(
+                        "Agent with ID {} is already registered",
+                        registration.agent_id
+                    ),
+                ))
+            }
+        }
+    }
+
+    async fn find(&self, query: AgentQuery) -> Result<Vec<FoundAgent>, ErrorBody> {
+        if query.capabilities.is_empty() {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                "Invalid lookup request: no capabilities",
+            ));
+        }
+        let devices = LookupQuery {
+            capabilities: query.capabilities.clone(),
+            client_type: ClientType::Device,
+            limit: FIND_LIMIT,
+            windows: self.windows,
+        };
+        let (addressed, devices) = tokio::try_join!(
+            self.store.find_addressed(&query.capabilities, FIND_LIMIT),
+            self.store.lookup(&devices),
+        )
+        .map_err(store_failure)?;
+        let found: Vec<FoundAgent> = addressed
+            .into_iter()
+            .map(|agent| FoundAgent {
+                agent_id: agent.agent_id,
+                kind: FoundAgentKind::Addressed,
+                capabilities: agent.capabilities,
+                address: Some(agent.address),
+                status: agent.status,
+            })
+            .chain(devices.into_iter().map(|device| FoundAgent {
+                agent_id: device.agent_id,
+                kind: FoundAgentKind::Device,
+                capabilities: device.capabilities,
+                address: None,
+                status: AgentStatus::Available,
+            }))
+            .collect();
+        if found.is_empty() {
+            tracing::info!(
+                capabilities = ?query.capabilities,
+                "No available agents found for the requested capabilities."
+            );
+            return Err(ErrorBody::new(
+                ErrorCode::NotFound,
+                "No available agents found",
+            ));
+        }
+        for agent in &found {
+            tracing::debug!(
+                "Found agent {} with capabilities: {}, address: {}.",
+                agent.agent_id,
+                agent.capabilities.join(", "),
+                agent.address.as_deref().unwrap_or("(through the broker)")
+            );
+        }
+        Ok(found)
     }
 }
 

@@ -122,6 +122,20 @@ impl AgentStore for GatedStore {
     ) -> BoxFuture<'a, Result<Vec<store::Ended>, StoreError>> {
         self.inner.end_gateway(gateway_id)
     }
+    fn register_addressed<'a>(
+        &'a self,
+        registration: &'a proto_schemas::registry::AgentRegistration,
+        registered_by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<proto_schemas::registry::AddressedAgent>, StoreError>> {
+        self.inner.register_addressed(registration, registered_by)
+    }
+    fn find_addressed<'a>(
+        &'a self,
+        capabilities: &'a [String],
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<proto_schemas::registry::AddressedAgent>, StoreError>> {
+        self.inner.find_addressed(capabilities, limit)
+    }
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.ping()
     }

@@ -23,7 +23,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router, middleware};
 use futures::Stream;
-use proto_schemas::flow::TaskRequest;
+use proto_schemas::flow::{TaskRequest, TaskResponse};
+use proto_schemas::registry::AgentAction;
 use proto_schemas::sessions::{TaskEvent, TaskState, TaskView};
 use proto_schemas::{ActionResult, Command, ErrorBody, ErrorCode, PlannerName};
 use serde::{Deserialize, Serialize};
@@ -40,7 +41,7 @@ use crate::machine::{Allowance, Answer, Answerer, DriverQuestion};
 use crate::store::{ListFilter, NUL, StoreError, storable};
 use crate::task::{Task, rfc3339};
 use crate::watch::Watcher;
-use crate::workers::new_task_from_request;
+use crate::workers::{answer_agent_request, new_task_from_request};
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
@@ -156,6 +157,7 @@ const DATABASE_DOWN: &str = "the task database (or the registry) is unavailable;
     ),
     responses(
         (status = 201, description = "the task, dispatched or queued", body = TaskView),
+        (status = 200, description = "a request whose `description` says \"register me as an agent\" or \"find an agent\" (seed 004's agent management, any case) creates no task: its TaskResponse, `success` with the registration or `{\"agents\": [...]}`, or `failed` with the reason (\"Invalid registration request: …\", \"Invalid lookup request: …\", \"Agent with ID X is already registered\", \"No available agents found\")", body = TaskResponse),
         (status = 400, description = "invalid request", body = ErrorBody),
         (status = 404, description = "the target device is not online (DEVICE_NOT_FOUND)", body = ErrorBody),
         (status = 409, description = "the task id is taken", body = ErrorBody),
@@ -172,6 +174,15 @@ async fn create_task(
     let request: TaskRequest = read_body(whole_numbers(body, WHOLE_NUMBER_FIELDS))?;
     caller.check_acts_for(&request.originating_agent_id)?;
     caller.check_target(request.target_id.as_deref())?;
+    if let Some(action) = request.agent_action() {
+        // Registering an agent id is acting for it.
+        if let Ok(AgentAction::Register(registration)) = &action {
+            caller.check_acts_for(&registration.agent_id)?;
+        }
+        let requested_by = format!("rest:{}", caller.name());
+        let response = answer_agent_request(&engine, request.task_id, action, requested_by).await?;
+        return Ok((StatusCode::OK, Json(response)).into_response());
+    }
     let mut new = new_task_from_request(
         request,
         Requester::Rest,

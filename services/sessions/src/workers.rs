@@ -7,10 +7,13 @@ use tracing::Instrument;
 
 use aip_bus::{Headers, StreamSpec, names};
 use futures::StreamExt;
-use proto_schemas::flow::{ClarificationResponse, HandoffRequest, TaskRequest};
-use proto_schemas::registry::Reply;
+use proto_schemas::flow::{
+    ClarificationResponse, HandoffRequest, InvalidAgentRequest, SubmitOutcome, TaskRequest,
+    TaskResponse,
+};
+use proto_schemas::registry::{AgentAction, ManageAgents, ManageAgentsReply, Reply};
 use proto_schemas::sessions::{GatewayEvent, TaskAccepted, TaskView};
-use proto_schemas::{ErrorBody, ErrorCode};
+use proto_schemas::{ErrorBody, ErrorCode, V1};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -574,8 +577,8 @@ fn refused(e: EngineError) -> ErrorBody {
     }
 }
 
-/// `sessions.submit`: starts the task.
-async fn submit(engine: Engine, payload: bytes::Bytes) -> Reply<TaskAccepted> {
+/// `sessions.submit`: starts the task, or answers seed 004's agent management at once.
+async fn submit(engine: Engine, payload: bytes::Bytes) -> Reply<SubmitOutcome> {
     let request = match read_submission(&payload) {
         Ok(request) => request,
         Err(e) => {
@@ -585,6 +588,13 @@ async fn submit(engine: Engine, payload: bytes::Bytes) -> Reply<TaskAccepted> {
             ));
         }
     };
+    if let Some(action) = request.agent_action() {
+        let requested_by = format!("nats:{}", request.originating_agent_id);
+        return answer_agent_request(&engine, request.task_id, action, requested_by)
+            .await
+            .map(SubmitOutcome::Answered)
+            .into();
+    }
     let new = match new_task_from_request(
         request,
         Requester::Nats,
@@ -597,9 +607,78 @@ async fn submit(engine: Engine, payload: bytes::Bytes) -> Reply<TaskAccepted> {
     engine
         .submit(new)
         .await
-        .map(|started| accepted(&started.task))
+        .map(|started| SubmitOutcome::Accepted(accepted(&started.task)))
         .map_err(refused)
         .into()
+}
+
+/// Answers a TaskRequest that is seed 004's agent management (see
+/// [`TaskRequest::agent_action`]) with its TaskResponse, asking the registry on
+/// `registry.agents`; no task is created. `task_id` is the request's, or a new UUID.
+///
+/// A malformed request, a taken id or no agent found is a `failed` TaskResponse; `Err` only
+/// when the broker cannot answer (no registry, no reply in time, an unreadable reply).
+pub async fn answer_agent_request(
+    engine: &Engine,
+    task_id: Option<String>,
+    action: Result<AgentAction, InvalidAgentRequest>,
+    requested_by: String,
+) -> Result<TaskResponse, ErrorBody> {
+    let task_id = task_id.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let action = match action {
+        Ok(action) => action,
+        Err(invalid) => {
+            return Ok(TaskResponse::for_agent_action(
+                task_id,
+                Err(invalid.to_string()),
+            ));
+        }
+    };
+    let request = ManageAgents {
+        version: V1,
+        requested_by,
+        action,
+    };
+    match ask_registry_agents(engine, &request).await {
+        Ok(outcome) => Ok(TaskResponse::for_agent_action(task_id, Ok(outcome))),
+        Err(aip_bus::RegistryError::Refused(body)) if TaskResponse::answers_agent_action(&body) => {
+            Ok(TaskResponse::for_agent_action(task_id, Err(body.detail)))
+        }
+        Err(e) => Err(e.into_error_body()),
+    }
+}
+
+/// One `registry.agents` request, its failures told apart as [`aip_bus::RegistryClient`]
+/// tells them (that client has no method for this subject yet).
+async fn ask_registry_agents(
+    engine: &Engine,
+    request: &ManageAgents,
+) -> Result<proto_schemas::registry::AgentActionOutcome, aip_bus::RegistryError> {
+    use aip_bus::RegistryError;
+    let subject = engine.subjects().registry_agents();
+    let payload = serde_json::to_vec(request).map_err(RegistryError::Encode)?;
+    let span = aip_bus::trace::messaging_span(
+        aip_bus::trace::Operation::Request,
+        &subject,
+        &subject,
+        None,
+    );
+    let timeout = Duration::from_millis(engine.settings().request_timeout_ms);
+    let reply = async {
+        engine
+            .bus()
+            .request(subject.clone(), Headers::new(), payload.into(), timeout)
+            .await
+    }
+    .instrument(span)
+    .await
+    .map_err(|e| match e {
+        aip_bus::BusError::NoResponders { .. } => RegistryError::NotRunning,
+        other => RegistryError::Unanswered(other),
+    })?;
+    let reply: ManageAgentsReply =
+        serde_json::from_slice(&reply.payload).map_err(RegistryError::InvalidReply)?;
+    reply.into_result().map_err(RegistryError::Refused)
 }
 
 /// `sessions.clarify`: answers the task's open question.

@@ -13,6 +13,7 @@
 //! reaping locks rows on PostgreSQL only, where replicas race. Times come from the database
 //! clock (`now()`; SQLite's clock is this machine's), so replicas judge liveness alike.
 
+mod addressed;
 mod batch;
 mod liveness;
 mod reads;
@@ -24,7 +25,9 @@ use std::time::{Duration, Instant};
 use aip_store::{Database, Timestamp};
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
+use proto_schemas::registry::{
+    AddressedAgent, AgentRecord, AgentRegistration, AgentStatus, RegisterAgent, Registered,
+};
 use proto_schemas::{ClientType, ErrorBody, Extension, McpToolInfo, Platform};
 use serde_json::Value;
 use sqlx::types::Json;
@@ -125,6 +128,22 @@ impl AgentStore for SqlAgentStore {
         self.gateway_restarted(gateway_id).boxed()
     }
 
+    fn register_addressed<'a>(
+        &'a self,
+        registration: &'a AgentRegistration,
+        registered_by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<AddressedAgent>, StoreError>> {
+        self.insert_addressed(registration, registered_by).boxed()
+    }
+
+    fn find_addressed<'a>(
+        &'a self,
+        capabilities: &'a [String],
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<AddressedAgent>, StoreError>> {
+        self.available_addressed(capabilities, limit).boxed()
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         async move { Ok(self.db.ping().await?) }.boxed()
     }
@@ -218,6 +237,22 @@ pub trait AgentStore: Send + Sync + 'static {
         &'a self,
         gateway_id: &'a str,
     ) -> BoxFuture<'a, Result<Vec<Ended>, StoreError>>;
+
+    /// Registers an agent reached at an address (seed 004), unless its id is taken by such an
+    /// agent or by a WebSocket client not offline: the stored agent, or `None` when taken.
+    fn register_addressed<'a>(
+        &'a self,
+        registration: &'a AgentRegistration,
+        registered_by: &'a str,
+    ) -> BoxFuture<'a, Result<Option<AddressedAgent>, StoreError>>;
+
+    /// Available agents reached at an address having every capability asked for, by id, at
+    /// most `limit`.
+    fn find_addressed<'a>(
+        &'a self,
+        capabilities: &'a [String],
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<AddressedAgent>, StoreError>>;
 
     /// Checks that the database answers.
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
