@@ -142,6 +142,16 @@ impl RegistryClient {
         self.request(self.subjects.registry_lookup(), request).await
     }
 
+    /// `registry.agents`: seed 004's agent management (register an agent reached at an
+    /// address, or find available agents); a domain refusal (a taken id, nothing found, an
+    /// invalid request) is [`RegistryError::Refused`] with its code.
+    pub async fn manage(
+        &self,
+        request: &proto_schemas::registry::ManageAgents,
+    ) -> Result<proto_schemas::registry::AgentActionOutcome, RegistryError> {
+        self.request(self.subjects.registry_agents(), request).await
+    }
+
     async fn request<Req: Serialize, Rep: DeserializeOwned>(
         &self,
         subject: String,

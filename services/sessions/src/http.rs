@@ -173,7 +173,6 @@ async fn create_task(
 ) -> Result<Response, ApiError> {
     let request: TaskRequest = read_body(whole_numbers(body, WHOLE_NUMBER_FIELDS))?;
     caller.check_acts_for(&request.originating_agent_id)?;
-    caller.check_target(request.target_id.as_deref())?;
     if let Some(action) = request.agent_action() {
         // Registering an agent id is acting for it.
         if let Ok(AgentAction::Register(registration)) = &action {
@@ -183,6 +182,8 @@ async fn create_task(
         let response = answer_agent_request(&engine, request.task_id, action, requested_by).await?;
         return Ok((StatusCode::OK, Json(response)).into_response());
     }
+    // A task runs somewhere: on a device the key may target.
+    caller.check_target(request.target_id.as_deref())?;
     let mut new = new_task_from_request(
         request,
         Requester::Rest,

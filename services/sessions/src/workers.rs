@@ -11,7 +11,7 @@ use proto_schemas::flow::{
     ClarificationResponse, HandoffRequest, InvalidAgentRequest, SubmitOutcome, TaskRequest,
     TaskResponse,
 };
-use proto_schemas::registry::{AgentAction, ManageAgents, ManageAgentsReply, Reply};
+use proto_schemas::registry::{AgentAction, ManageAgents, Reply};
 use proto_schemas::sessions::{GatewayEvent, TaskAccepted, TaskView};
 use proto_schemas::{ErrorBody, ErrorCode, V1};
 use tokio_util::sync::CancellationToken;
@@ -639,46 +639,13 @@ pub async fn answer_agent_request(
         requested_by,
         action,
     };
-    match ask_registry_agents(engine, &request).await {
+    match engine.registry().manage(&request).await {
         Ok(outcome) => Ok(TaskResponse::for_agent_action(task_id, Ok(outcome))),
         Err(aip_bus::RegistryError::Refused(body)) if TaskResponse::answers_agent_action(&body) => {
             Ok(TaskResponse::for_agent_action(task_id, Err(body.detail)))
         }
         Err(e) => Err(e.into_error_body()),
     }
-}
-
-/// One `registry.agents` request, its failures told apart as [`aip_bus::RegistryClient`]
-/// tells them (that client has no method for this subject yet).
-async fn ask_registry_agents(
-    engine: &Engine,
-    request: &ManageAgents,
-) -> Result<proto_schemas::registry::AgentActionOutcome, aip_bus::RegistryError> {
-    use aip_bus::RegistryError;
-    let subject = engine.subjects().registry_agents();
-    let payload = serde_json::to_vec(request).map_err(RegistryError::Encode)?;
-    let span = aip_bus::trace::messaging_span(
-        aip_bus::trace::Operation::Request,
-        &subject,
-        &subject,
-        None,
-    );
-    let timeout = Duration::from_millis(engine.settings().request_timeout_ms);
-    let reply = async {
-        engine
-            .bus()
-            .request(subject.clone(), Headers::new(), payload.into(), timeout)
-            .await
-    }
-    .instrument(span)
-    .await
-    .map_err(|e| match e {
-        aip_bus::BusError::NoResponders { .. } => RegistryError::NotRunning,
-        other => RegistryError::Unanswered(other),
-    })?;
-    let reply: ManageAgentsReply =
-        serde_json::from_slice(&reply.payload).map_err(RegistryError::InvalidReply)?;
-    reply.into_result().map_err(RegistryError::Refused)
 }
 
 /// `sessions.clarify`: answers the task's open question.

@@ -185,6 +185,17 @@ async fn a_key_acts_only_for_its_requesters_and_devices(backend: Backend) {
     )
     .await;
     assert_eq!(status, 201, "{again}");
+
+    // Seed 004's agent registration: a key registers only ids it acts for.
+    let register = |id: &str| {
+        json!({ "version": 1, "originating_agent_id": "ci",
+            "description": format!("register me as an agent id={id} capabilities=x address=h:1") })
+    };
+    let (status, refusal) = call(Method::POST, &tasks, CI_KEY, Some(&register("someone"))).await;
+    assert_eq!(status, 403, "{refusal}");
+    let (status, registered) = call(Method::POST, &tasks, CI_KEY, Some(&register("ci"))).await;
+    assert_eq!(status, 200, "{registered}");
+    assert_eq!(registered["status"], "success", "{registered}");
     stack.stop().await;
 }
 both_backends!(a_key_acts_only_for_its_requesters_and_devices);
