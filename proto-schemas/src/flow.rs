@@ -615,6 +615,7 @@ mod agent_management_tests {
             data,
             originating_agent_id: "me".to_owned(),
             callback_url: None,
+            callback_agent: None,
             callback_on: vec![],
             priority: None,
             target_id: None,
