@@ -33,6 +33,8 @@ fn new_task(id: &str, name: &str, requester: Requester, executor: &str, plan: Pl
             data: Some(json!({ "k": [1, 2] })),
             priority: 3,
             callback_url: Some("https://example.invalid/cb".to_owned()),
+            // The store keeps whatever priority a task has; who may give it is not tested here.
+            allowance: aip_sessions::machine::Allowance::Operator,
             ..NewTask::new(
                 format!("do {id}"),
                 requester,
