@@ -215,6 +215,10 @@ wire_enum! {
         /// The client receives `callback` frames (CallbackNotifications of the tasks that name
         /// it as their `callback_agent`).
         Callback = "callback",
+        /// The client's `task` frames may be seed 004's agent management ("register me as an
+        /// agent", "find an agent"): answered with a `task_end` whose `result` is the
+        /// TaskResponse, no task started.
+        AgentManagement = "agent_management",
     }
 }
 

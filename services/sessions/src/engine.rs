@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use aip_bus::registry::{RegistryClient, RegistryError};
 use aip_bus::{Headers, SharedBus};
+use proto_schemas::flow::{TaskRequest, TaskResponse};
 use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents, MAX_GET_MANY};
 use proto_schemas::server;
 use proto_schemas::sessions::{InboundFrame, PlanStep};
@@ -670,6 +671,75 @@ impl Engine {
     /// concurrently) and, in one database read for the whole chunk that runs beside them, the
     /// owners of the task ids that are taken.
     pub async fn prepare_frames(&self, frames: &[&InboundFrame]) -> Vec<TaskFrame> {
+        // Seed 004's agent management, from clients that announced it, is answered now.
+        let answers = futures::future::join_all(frames.iter().map(|f| self.agent_answer(f))).await;
+        let tasks: Vec<&InboundFrame> = frames
+            .iter()
+            .zip(&answers)
+            .filter(|(_, answer)| answer.is_none())
+            .map(|(frame, _)| *frame)
+            .collect();
+        let mut started = self.prepare_tasks(&tasks).await.into_iter();
+        answers
+            .into_iter()
+            .map(|answer| match answer {
+                Some(Ok(response)) => TaskFrame::Answered(response),
+                Some(Err(body)) => TaskFrame::Start {
+                    echo_name: None,
+                    start: Err(body),
+                },
+                None => started.next().unwrap_or_else(|| TaskFrame::Start {
+                    echo_name: None,
+                    start: Err(ErrorBody::new(
+                        ErrorCode::Internal,
+                        "task frame was not prepared",
+                    )),
+                }),
+            })
+            .collect()
+    }
+
+    /// Seed 004's agent management asked in a client's `task` frame (its `request`, with
+    /// `metadata.data` and `metadata.required_capabilities`), answered by the registry;
+    /// `None` for any other frame, and for every frame of a client that did not announce
+    /// `agent_management` (a UFO client's task that mentions "find an agent" is a task).
+    async fn agent_answer(
+        &self,
+        inbound: &InboundFrame,
+    ) -> Option<Result<TaskResponse, ErrorBody>> {
+        if !inbound
+            .extensions
+            .contains(&proto_schemas::Extension::AgentManagement)
+        {
+            return None;
+        }
+        let frame = &inbound.frame;
+        let capabilities: Vec<String> = frame
+            .metadata_value("required_capabilities")
+            .and_then(serde_json::Value::as_array)
+            .map(|list| {
+                list.iter()
+                    .filter_map(serde_json::Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let request: TaskRequest = serde_json::from_value(serde_json::json!({
+            "version": 1,
+            "description": frame.request.clone().unwrap_or_default(),
+            "data": frame.metadata_value("data"),
+            "originating_agent_id": inbound.client_id,
+            "required_capabilities": capabilities,
+        }))
+        .ok()?;
+        let action = request.agent_action()?;
+        let task_id = frame.session_id.clone().filter(|s| !s.is_empty());
+        let requested_by = format!("client:{}", inbound.client_id);
+        Some(crate::workers::answer_agent_request(self, task_id, action, requested_by).await)
+    }
+
+    /// The tasks of client `task` frames, prepared together.
+    async fn prepare_tasks(&self, frames: &[&InboundFrame]) -> Vec<TaskFrame> {
         let planned: Vec<(Option<String>, Result<NewTask, ErrorBody>)> = frames
             .iter()
             .map(|f| task_of_frame(f, &self.planners))
@@ -730,7 +800,7 @@ impl Engine {
                         existing_owner,
                     })
                 });
-                TaskFrame { echo_name, start }
+                TaskFrame::Start { echo_name, start }
             })
             .collect()
     }

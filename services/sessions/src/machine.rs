@@ -14,7 +14,9 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-use proto_schemas::flow::{ClarificationResponse, HandoffNotification};
+use proto_schemas::flow::{
+    ClarificationResponse, HandoffNotification, TaskResponse, TaskResponseStatus,
+};
 use proto_schemas::registry::AgentRecord;
 use proto_schemas::server::{self, CommandTarget};
 use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep, TaskState};
@@ -129,13 +131,21 @@ pub struct Prepared {
     pub existing_owner: Option<String>,
 }
 
-/// A client `task` frame, prepared: what to start, and whether it may echo a UFO dispatch.
+/// A client `task` frame, prepared.
 #[derive(Debug, Clone)]
-pub struct TaskFrame {
-    /// A device's frame with a task name: the echo of a dispatch of that name, if one waits.
-    pub echo_name: Option<String>,
-    /// Otherwise the task to start, or why it cannot start.
-    pub start: Result<Prepared, ErrorBody>,
+pub enum TaskFrame {
+    /// A task to start.
+    Start {
+        /// A device's frame with a task name: the echo of a dispatch of that name, if one
+        /// waits.
+        echo_name: Option<String>,
+        /// Otherwise the task to start, or why it cannot start.
+        start: Result<Prepared, ErrorBody>,
+    },
+    /// Seed 004's agent management from a client that announced `agent_management`,
+    /// answered by the registry: no task starts; the client gets `task_end` with this
+    /// TaskResponse as its result.
+    Answered(TaskResponse),
 }
 
 /// Why a change was not applied.
@@ -923,6 +933,32 @@ impl Machine {
 
     // ----- frames from clients -----
 
+    /// The answer to seed 004's agent management asked in a `task` frame: `task_end` to the
+    /// client, `completed` with the TaskResponse when it succeeded, else `failed` with its
+    /// error too.
+    fn answer_agent_frame(
+        &mut self,
+        inbound: &InboundFrame,
+        msg_id: &str,
+        response: &TaskResponse,
+    ) {
+        self.applied(Some(msg_id));
+        let (status, error) = match response.status {
+            TaskResponseStatus::Failed => (TaskStatus::Failed, response.error.clone()),
+            TaskResponseStatus::Success | TaskResponseStatus::InProgress => {
+                (TaskStatus::Completed, None)
+            }
+        };
+        let frame = server::task_end(
+            &response.task_id,
+            status,
+            serde_json::to_value(response).ok(),
+            error,
+            &server::new_id(),
+        );
+        self.send(&inbound.client_id, &frame);
+    }
+
     /// Applies a client frame the session service handles.
     pub fn frame(
         &mut self,
@@ -933,13 +969,20 @@ impl Machine {
     ) -> Result<(), Refusal> {
         match inbound.frame.kind {
             ClientMessageType::Task => {
-                let Some(task) = task else {
-                    return Err(Refusal::now(
-                        ErrorCode::Internal,
-                        "task frame was not prepared",
-                    ));
+                let (echo_name, start) = match task {
+                    None => {
+                        return Err(Refusal::now(
+                            ErrorCode::Internal,
+                            "task frame was not prepared",
+                        ));
+                    }
+                    Some(TaskFrame::Answered(response)) => {
+                        self.answer_agent_frame(inbound, msg_id, &response);
+                        return Ok(());
+                    }
+                    Some(TaskFrame::Start { echo_name, start }) => (echo_name, start),
                 };
-                if let Some(name) = &task.echo_name
+                if let Some(name) = &echo_name
                     && self.echo(inbound, name, msg_id)
                 {
                     return Ok(());
@@ -948,9 +991,8 @@ impl Machine {
                 // reported an error (the database went away after committing) comes back,
                 // and its task already runs; a refusal (say, the registry is down now)
                 // would contradict it.
-                let prepared = task
-                    .start
-                    .map_err(|body| Refusal::UnlessSeen(body, msg_id.to_owned()))?;
+                let prepared =
+                    start.map_err(|body| Refusal::UnlessSeen(body, msg_id.to_owned()))?;
                 self.submit(prepared, Some(msg_id)).map(|_| ())
             }
             ClientMessageType::CommandResults => self.results(inbound, msg_id),

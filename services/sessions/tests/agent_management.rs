@@ -262,3 +262,103 @@ async fn register_and_find_over_nats(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(register_and_find_over_nats);
+
+/// A constellation's TASK frame with `request` (and `metadata`).
+fn task_frame(client: &str, session: &str, request: &str, metadata: Option<Value>) -> Value {
+    aip_testkit::frames::client(json!({
+        "type": "task", "status": "continue", "client_type": "constellation", "client_id": client,
+        "session_id": session, "request": request, "metadata": metadata
+    }))
+}
+
+/// The same requests in `task` frames, from a client that announced `agent_management`: each
+/// answered with a `task_end` carrying the TaskResponse; no task starts. A client that did not
+/// announce it has its frame taken as a task, as UFO would.
+async fn register_and_find_over_frames(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let mut register = aip_testkit::frames::constellation_register("galaxy-am", None);
+    register["metadata"]["aip_extensions"] = json!(["agent_management"]);
+    let mut galaxy = Client::registered(&stack.ws_url(0), register).await;
+
+    galaxy
+        .send(&task_frame(
+            "galaxy-am",
+            "am-1",
+            "register me as an agent id=frame-agent capabilities=plan address=planner.lan:7000",
+            None,
+        ))
+        .await
+        .expect("send");
+    let end = galaxy.recv_type("task_end").await.expect("answer");
+    assert_eq!(end["session_id"], "am-1", "{end}");
+    assert_eq!(end["status"], "completed", "{end}");
+    assert_eq!(end["result"]["status"], "success", "{end}");
+    assert_eq!(end["result"]["result"]["agent_id"], "frame-agent", "{end}");
+    assert_eq!(
+        end["result"]["result"]["registered_by"], "client:galaxy-am",
+        "{end}"
+    );
+
+    galaxy
+        .send(&task_frame(
+            "galaxy-am",
+            "am-2",
+            "find an agent",
+            Some(json!({ "required_capabilities": ["plan"] })),
+        ))
+        .await
+        .expect("send");
+    let end = galaxy.recv_type("task_end").await.expect("answer");
+    assert_eq!(end["status"], "completed", "{end}");
+    let agents = end["result"]["result"]["agents"]
+        .as_array()
+        .expect("agents");
+    assert!(
+        agents
+            .iter()
+            .any(|a| a["agent_id"] == "frame-agent" && a["address"] == "planner.lan:7000"),
+        "{end}"
+    );
+
+    // A duplicate fails with the seed's words.
+    galaxy
+        .send(&task_frame(
+            "galaxy-am",
+            "am-3",
+            "register me as an agent id=frame-agent capabilities=plan address=planner.lan:7000",
+            None,
+        ))
+        .await
+        .expect("send");
+    let end = galaxy.recv_type("task_end").await.expect("answer");
+    assert_eq!(end["status"], "failed", "{end}");
+    assert_eq!(end["result"]["status"], "failed", "{end}");
+    assert!(
+        end["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("already registered")),
+        "{end}"
+    );
+    let task = format!("{}/api/tasks/am-1", stack.sessions_url());
+    assert_eq!(get_json(&task).await.0, 404, "no task is created");
+
+    // A plain UFO constellation: the same words are a task (here refused: no target).
+    let mut plain = Client::registered(
+        &stack.ws_url(0),
+        aip_testkit::frames::constellation_register("galaxy-plain", None),
+    )
+    .await;
+    plain
+        .send(&task_frame("galaxy-plain", "am-4", "find an agent", None))
+        .await
+        .expect("send");
+    let refusal = plain.recv().await.expect("refusal");
+    assert!(
+        refusal.to_string().contains("require target_id"),
+        "{refusal}"
+    );
+    stack.stop().await;
+}
+both_backends!(register_and_find_over_frames);
