@@ -1495,12 +1495,17 @@ fn task_request_rules(document: &mut OpenApi) {
                 .build(),
         ))
         .description(Some("`planner` only without `steps` and `driver: true`"));
+    let callback = AnyOfBuilder::new()
+        .item(with_property("callback_url", null().into(), false))
+        .item(with_property("callback_agent", null().into(), false))
+        .description(Some("`callback_url` or `callback_agent`, not both"));
     content.schema = Some(
         AllOfBuilder::new()
             .item(Ref::from_schema_name("TaskRequest"))
             .item(placement)
             .item(plan)
             .item(planned)
+            .item(callback)
             .into(),
     );
     // The callback URL's form (its address is checked too: see `callback_allow_private`).
