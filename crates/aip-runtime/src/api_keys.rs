@@ -13,8 +13,9 @@
 //! # the requester ids it submits as and whose tasks it may read and change (exact ids, or
 //! # prefixes ending in `*`); absent: its name only
 //! acts_for = ["ci", "ci-*"]
-//! # the devices its tasks may run on; absent: any
-//! targets = ["lab-pc-*"]
+//! # the devices its tasks may run on (ids, prefixes, or `capability:<name>` for any device
+//! # with that capability); absent: any
+//! targets = ["lab-pc-*", "capability:gpu"]
 //! max_live_tasks = 20   # its live tasks at once, per requester id; absent: the service's
 //! max_priority = 0      # the highest priority it may ask for; absent: the service's
 //!
@@ -37,7 +38,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::api_error::ApiError;
-use crate::patterns::matches_any;
+use crate::patterns::{Targets, matches_any};
 
 /// The accepted keys, each with the caller it names. Empty: no authentication (everyone is
 /// [`Caller::anonymous`], an operator).
@@ -69,7 +70,7 @@ pub struct Limits {
     /// Requester ids it submits as and whose tasks it reads and changes (exact or `prefix*`).
     acts_for: Vec<String>,
     /// The devices its tasks may run on; `None`: any.
-    targets: Option<Vec<String>>,
+    targets: Option<Targets>,
     /// Its live tasks per requester id at most; `None`: the service's limit.
     pub max_live_tasks: Option<usize>,
     /// The highest priority it may ask for; `None`: the service's ceiling.
@@ -109,16 +110,15 @@ impl Caller {
             .is_none_or(|l| matches_any(&l.acts_for, requester))
     }
 
-    /// Whether its tasks may run on `device`.
-    pub fn may_target(&self, device: &str) -> bool {
-        self.limits()
-            .and_then(|l| l.targets.as_ref())
-            .is_none_or(|targets| matches_any(targets, device))
+    fn targets(&self) -> Option<&Targets> {
+        self.limits().and_then(|l| l.targets.as_ref())
     }
 
-    /// Whether its devices are limited (then a task must name its device).
-    pub fn targets_limited(&self) -> bool {
-        self.limits().is_some_and(|l| l.targets.is_some())
+    /// Whether [`Caller::check_target`] needs `device`'s capabilities: its id alone does not
+    /// allow it, and some targets are capabilities.
+    pub fn needs_capabilities_of(&self, device: &str) -> bool {
+        self.targets()
+            .is_some_and(|t| !t.allows_id(device) && t.by_capability())
     }
 
     /// The one requester id it acts for, when it acts for exactly one (no prefix).
@@ -152,24 +152,41 @@ impl Caller {
         ))
     }
 
-    /// `Ok` if a task may run on `device` (or, with `None`, wherever capabilities place it),
-    /// else the 403 that says so.
-    pub fn check_target(&self, device: Option<&str>) -> Result<(), ApiError> {
-        match device {
-            Some(device) if self.may_target(device) => Ok(()),
-            Some(device) => Err(ApiError::new(
-                ErrorCode::Forbidden,
-                format!("key `{}` may not target device `{device}`", self.name),
-            )),
-            None if self.targets_limited() => Err(ApiError::new(
-                ErrorCode::Forbidden,
-                format!(
-                    "key `{}` may target only the devices it names: give target_id",
-                    self.name
-                ),
-            )),
-            None => Ok(()),
+    /// `Ok` if a task may run on `device` (whose capabilities are given when
+    /// [`Caller::needs_capabilities_of`] asked for them), or, without a device, wherever its
+    /// `required` capabilities place it; else the 403 that says so.
+    pub fn check_target(
+        &self,
+        device: Option<&str>,
+        required: &[String],
+        device_capabilities: Option<&[String]>,
+    ) -> Result<(), ApiError> {
+        let Some(targets) = self.targets() else {
+            return Ok(());
+        };
+        let allowed = match device {
+            Some(device) => {
+                targets.allows_id(device)
+                    || device_capabilities.is_some_and(|c| targets.allows_capabilities(c))
+            }
+            None => targets.covers_required(required),
+        };
+        if allowed {
+            return Ok(());
         }
+        let detail = match device {
+            Some(device) => format!("key `{}` may not target device `{device}`", self.name),
+            None if targets.by_capability() => format!(
+                "key `{}` may target only the devices it names or its capabilities: give \
+                 target_id, or require one of its target capabilities",
+                self.name
+            ),
+            None => format!(
+                "key `{}` may target only the devices it names: give target_id",
+                self.name
+            ),
+        };
+        Err(ApiError::new(ErrorCode::Forbidden, detail))
     }
 }
 
@@ -257,16 +274,20 @@ impl PrincipalEntry {
             }
             ScopeName::Operator => Scope::Operator,
             ScopeName::Requester => {
-                for (field, list) in [("acts_for", &self.acts_for), ("targets", &self.targets)] {
-                    if let Some(list) = list
-                        && (list.is_empty() || list.iter().any(|p| p.trim().is_empty()))
-                    {
-                        return Err(format!(
-                            "principal `{name}`: {field} must not be empty or hold an empty \
-                             entry (leave it out for the default)"
-                        ));
-                    }
+                if let Some(list) = &self.acts_for
+                    && (list.is_empty() || list.iter().any(|p| p.trim().is_empty()))
+                {
+                    return Err(format!(
+                        "principal `{name}`: acts_for must not be empty or hold an empty \
+                         entry (leave it out for the default)"
+                    ));
                 }
+                let targets = match &self.targets {
+                    None => None,
+                    Some(list) => {
+                        Some(Targets::parse(list).map_err(|e| format!("principal `{name}`: {e}"))?)
+                    }
+                };
                 if self.max_live_tasks == Some(0) {
                     return Err(format!(
                         "principal `{name}`: max_live_tasks must be at least 1"
@@ -274,7 +295,7 @@ impl PrincipalEntry {
                 }
                 Scope::Limited(Limits {
                     acts_for: self.acts_for.unwrap_or_else(|| vec![name.clone()]),
-                    targets: self.targets,
+                    targets,
                     max_live_tasks: self.max_live_tasks,
                     max_priority: self.max_priority,
                 })

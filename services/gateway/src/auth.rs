@@ -9,9 +9,10 @@
 //! token_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 //! client_ids = ["lab-pc-*", "printer"]   # exact ids, or a prefix ending in `*`
 //! roles = ["device"]                      # device, constellation
-//! # optional: the devices its constellations may target (exact ids or prefixes); absent:
-//! # any device, as UFO allows
-//! targets = ["lab-pc-*"]
+//! # optional: the devices its constellations may target (exact ids, prefixes, or
+//! # `capability:<name>` for any device with that capability); absent: any device, as UFO
+//! # allows
+//! targets = ["lab-pc-*", "capability:lab"]
 //! ```
 //!
 //! Tokens are never stored in clear. A client presents its token as `?token=` in the URL
@@ -19,6 +20,8 @@
 
 use std::path::Path;
 
+use aip_bus::registry::RegistryClient;
+use aip_runtime::patterns::{Targets, matches_any};
 use proto_schemas::ClientType;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -31,17 +34,7 @@ pub struct Principal {
     client_ids: Vec<String>,
     roles: Vec<ClientType>,
     /// The devices it may target; `None`: any (UFO's rule).
-    targets: Option<Vec<String>>,
-}
-
-/// Whether `id` matches one of `patterns` (exact ids, or prefixes ending in `*`).
-fn matches_any(patterns: &[String], id: &str) -> bool {
-    patterns
-        .iter()
-        .any(|pattern| match pattern.strip_suffix('*') {
-            Some(prefix) => id.starts_with(prefix),
-            None => pattern == id,
-        })
+    targets: Option<Targets>,
 }
 
 impl Principal {
@@ -56,11 +49,28 @@ impl Principal {
     }
 
     /// Whether this principal may send tasks to (or register a constellation for) the
-    /// device `device_id`.
-    pub fn may_target(&self, device_id: &str) -> bool {
-        self.targets
-            .as_ref()
-            .is_none_or(|targets| matches_any(targets, device_id))
+    /// device `device_id`: by its id, or, when the targets name capabilities, by the
+    /// capabilities the registry knows the device has (an unknown device has none).
+    pub async fn may_target(&self, registry: &RegistryClient, device_id: &str) -> bool {
+        let Some(targets) = &self.targets else {
+            return true;
+        };
+        if targets.allows_id(device_id) {
+            return true;
+        }
+        if !targets.by_capability() {
+            return false;
+        }
+        match registry.get(device_id).await {
+            Ok(record) => targets.allows_capabilities(&record.capabilities),
+            Err(e) => {
+                tracing::debug!(
+                    device = device_id,
+                    "no capabilities to judge a target by: {e}"
+                );
+                false
+            }
+        }
     }
 
     /// Whether this principal's targets are limited (then a task must name its device).
@@ -167,17 +177,18 @@ impl Credentials {
                     entry.name
                 ));
             }
-            if entry.targets.as_ref().is_some_and(Vec::is_empty) {
-                return Err(format!(
-                    "credential `{}`: targets must not be empty (leave it out to allow any device)",
-                    entry.name
-                ));
-            }
+            let targets = match &entry.targets {
+                None => None,
+                Some(list) => Some(
+                    Targets::parse(list)
+                        .map_err(|e| format!("credential `{}`: {e}", entry.name))?,
+                ),
+            };
             let principal = Principal {
                 name: entry.name,
                 client_ids: entry.client_ids,
                 roles: entry.roles,
-                targets: entry.targets,
+                targets,
             };
             entries.push((hash, principal));
         }

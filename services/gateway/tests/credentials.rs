@@ -268,9 +268,9 @@ fn scoped_credentials() -> String {
 [[credential]]
 name = "scoped"
 token_sha256 = "{}"
-client_ids = ["lab-*", "galaxy@*"]
+client_ids = ["lab-*", "galaxy@*", "box-*"]
 roles = ["device", "constellation"]
-targets = ["lab-*"]
+targets = ["lab-*", "capability:gpu"]
 "#,
         hash_token(SCOPED_TOKEN),
     )
@@ -355,6 +355,41 @@ async fn a_credential_targets_only_its_devices(backend: Backend) {
     let end = next_of_kind(&mut galaxy, "task_end").await;
     assert_eq!(end["session_id"], "s-lab", "{end}");
     assert_eq!(end["status"], "completed", "{end}");
+
+    // `capability:gpu`: a device outside the id patterns that has the capability may be
+    // driven; one without it may not.
+    let mut gpu = registered(
+        &url,
+        &aip_testkit::frames::device_register_with("box-gpu", &["gpu"]),
+    )
+    .await;
+    let _plain = registered(
+        &url,
+        &aip_testkit::frames::device_register_with("box-plain", &["cpu"]),
+    )
+    .await;
+    stack.wait_online("box-gpu").await;
+    stack.wait_online("box-plain").await;
+    let steps = aip_testkit::frames::one_step("echo", json!({}));
+    let task = |target: &str, session: &str| {
+        aip_testkit::frames::constellation_task(
+            "galaxy@lab-1",
+            target,
+            session,
+            session,
+            Some(steps.clone()),
+        )
+    };
+    galaxy.send(&task("box-plain", "s-plain")).await;
+    galaxy
+        .expect_error(
+            "FORBIDDEN",
+            "credential `scoped` may not target device `box-plain`",
+        )
+        .await;
+    galaxy.send(&task("box-gpu", "s-gpu")).await;
+    let command = next_of_kind(&mut gpu, "command").await;
+    assert_eq!(command["session_id"], "s-gpu", "{command}");
     stack.stop().await;
 }
 

@@ -183,7 +183,13 @@ async fn create_task(
         return Ok((StatusCode::OK, Json(response)).into_response());
     }
     // A task runs somewhere: on a device the key may target.
-    caller.check_target(request.target_id.as_deref())?;
+    may_target(
+        &engine,
+        &caller,
+        request.target_id.as_deref(),
+        &request.required_capabilities,
+    )
+    .await?;
     let mut new = new_task_from_request(
         request,
         Requester::Rest,
@@ -205,6 +211,28 @@ fn allowance(caller: &Caller) -> Allowance {
             max_priority: limits.max_priority,
         },
     }
+}
+
+/// `Ok` when `caller` may send a task to `device` (or, without one, where `required`
+/// capabilities place it); a device's capabilities are asked of the registry only when the
+/// caller's targets name capabilities its id does not match (an unknown device has none).
+async fn may_target(
+    engine: &Engine,
+    caller: &Caller,
+    device: Option<&str>,
+    required: &[String],
+) -> Result<(), ApiError> {
+    let capabilities = match device {
+        Some(device) if caller.needs_capabilities_of(device) => {
+            match engine.registry().get(device).await {
+                Ok(record) => Some(record.capabilities),
+                Err(aip_bus::RegistryError::Refused(_)) => Some(Vec::new()),
+                Err(e) => return Err(ApiError::Refused(e.into_error_body())),
+            }
+        }
+        _ => None,
+    };
+    caller.check_target(device, required, capabilities.as_deref())
 }
 
 /// The task `id`, when `caller` may act for its requester (else 403).
@@ -1186,7 +1214,13 @@ async fn handoff_task(
 ) -> Result<Json<TaskView>, ApiError> {
     changeable_task(&engine, &caller, &id).await?;
     let body: HandoffBody = read_body(body)?;
-    caller.check_target(body.target_id.as_deref())?;
+    may_target(
+        &engine,
+        &caller,
+        body.target_id.as_deref(),
+        &body.required_capabilities,
+    )
+    .await?;
     let to = match body.target_id {
         Some(target) => Placement::Target(target),
         None => Placement::Capabilities(body.required_capabilities),
@@ -1273,7 +1307,7 @@ async fn ufo_dispatch(
     if client_id.is_empty() {
         return Err(ApiError::invalid("Empty client ID"));
     }
-    caller.check_target(Some(&client_id))?;
+    may_target(&engine, &caller, Some(&client_id), &[]).await?;
     let task_name = match object.get("task_name") {
         None => None,
         Some(Value::String(name)) if valid_task_name(name) => Some(name.clone()),

@@ -132,6 +132,8 @@ pub struct Prepared {
 }
 
 /// A client `task` frame, prepared.
+// The answer is the small, rare case; a prepared frame travels boxed (`Op::Frame`).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum TaskFrame {
     /// A task to start.

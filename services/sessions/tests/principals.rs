@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 const CI_KEY: &str = "ci-key";
 const OTHER_KEY: &str = "other-key";
 const OPERATOR_KEY: &str = "root-key";
+const GPU_KEY: &str = "gpu-key";
 
 fn principals() -> String {
     format!(
@@ -26,9 +27,15 @@ max_priority = 2
 [[principal]]
 name = "other"
 key_sha256 = "{}"
+
+[[principal]]
+name = "gpu"
+key_sha256 = "{}"
+targets = ["capability:gpu"]
 "#,
         sha256(CI_KEY),
-        sha256(OTHER_KEY)
+        sha256(OTHER_KEY),
+        sha256(GPU_KEY)
     )
 }
 
@@ -321,3 +328,49 @@ fn bad_principals_files_say_what_is_wrong() {
         assert!(error.contains(expected), "{text}: {error}");
     }
 }
+
+/// A key whose targets are a capability: its tasks run on devices that have it, by id or by
+/// capability placement, and nowhere else.
+async fn a_key_targets_devices_by_capability(backend: Backend) {
+    use reqwest::Method;
+    let options = Options {
+        principals: Some(principals()),
+        ..Options::default()
+    };
+    let stack = Stack::start(backend, options).await.expect("stack");
+    let _gpu = Client::registered(
+        &stack.ws_url(0),
+        aip_testkit::frames::device_register_with("gpu-box", &["gpu"]),
+    )
+    .await;
+    let _cpu = Client::registered(
+        &stack.ws_url(0),
+        aip_testkit::frames::device_register_with("cpu-box", &["demo"]),
+    )
+    .await;
+    stack.wait_online("gpu-box").await;
+    stack.wait_online("cpu-box").await;
+    let tasks = format!("{}/api/tasks", stack.sessions_url());
+    let by_target = |target: &str| task_body("gpu", Some(target), 0);
+    let by_capability = |capability: &str| {
+        let mut body = task_body("gpu", None, 0);
+        body["required_capabilities"] = json!([capability]);
+        body
+    };
+    let (status, task) = call(Method::POST, &tasks, GPU_KEY, Some(&by_target("gpu-box"))).await;
+    assert_eq!(status, 201, "{task}");
+    let (status, task) = call(Method::POST, &tasks, GPU_KEY, Some(&by_capability("gpu"))).await;
+    assert_eq!(status, 201, "{task}");
+    let (status, refusal) = call(Method::POST, &tasks, GPU_KEY, Some(&by_target("cpu-box"))).await;
+    assert_eq!(status, 403, "{refusal}");
+    assert!(
+        refusal["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("may not target device `cpu-box`")),
+        "{refusal}"
+    );
+    let (status, refusal) = call(Method::POST, &tasks, GPU_KEY, Some(&by_capability("demo"))).await;
+    assert_eq!(status, 403, "{refusal}");
+    stack.stop().await;
+}
+both_backends!(a_key_targets_devices_by_capability);

@@ -16,13 +16,13 @@ use crate::identity::Identity;
 /// Why a task frame may not go where it asks, when the connection's credential limits the
 /// devices it may target (UFO lets any constellation target any device; a credential with
 /// `targets` narrows that).
-fn target_refusal(client: &Client, frame: &ClientMessage) -> Option<String> {
+async fn target_refusal(client: &Client, frame: &ClientMessage) -> Option<String> {
     let principal = &client.principal;
     if !principal.targets_limited() {
         return None;
     }
     match frame.target_id.as_deref().filter(|t| !t.is_empty()) {
-        Some(target) if principal.may_target(target) => None,
+        Some(target) if principal.may_target(&client.state.registry, target).await => None,
         Some(target) => Some(format!(
             "credential `{}` may not target device `{target}`",
             principal.name
@@ -40,7 +40,7 @@ pub(crate) async fn handle(
     frame: ClientMessage,
 ) -> Result<(), End> {
     if frame.kind == ClientMessageType::Task
-        && let Some(refusal) = target_refusal(client, &frame)
+        && let Some(refusal) = target_refusal(client, &frame).await
     {
         let session_id = frame.session_id.as_deref();
         for answer in server::refusal(frame.kind, session_id, ErrorCode::Forbidden, &refusal) {

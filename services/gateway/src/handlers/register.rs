@@ -59,7 +59,10 @@ pub(crate) async fn handle(
     let target_id = frame.target_id.clone().filter(|t| !t.is_empty());
     if client_type == ClientType::Constellation
         && let Some(target) = &target_id
-        && !client.principal.may_target(target)
+        && !client
+            .principal
+            .may_target(&client.state.registry, target)
+            .await
     {
         let text = format!(
             "credential `{}` may not target device `{target}`",
