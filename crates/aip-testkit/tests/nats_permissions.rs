@@ -156,8 +156,15 @@ impl LockedServer {
         (client, rx)
     }
 
+    /// The server's log; if it cannot be read, a text that says so (an assertion on it then
+    /// fails naming the cause instead of reading an empty log as a clean one).
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        std::fs::read_to_string(&self.log).unwrap_or_else(|e| {
+            format!(
+                "(the server log {} cannot be read: {e})",
+                self.log.display()
+            )
+        })
     }
 }
 

@@ -147,10 +147,10 @@ mod tests {
                 })
                 .await
         });
+        // The first read has begun, so the wake-up is registered: the commit cannot be missed.
         while reads.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
         watch.committed(["other", "t1"].into_iter());
         let found = tokio::time::timeout(Duration::from_secs(5), waiting)
             .await
