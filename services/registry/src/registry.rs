@@ -98,7 +98,9 @@ impl Registry {
         let agent_id = request.agent_id.clone();
         match self.writes.register(request).await.map_err(store_failure)? {
             RegisterOutcome::Registered(registered) => {
-                tracing::info!(
+                // Per connection, so at DEBUG: thousands a second under load (the row in
+                // `agents` is the record).
+                tracing::debug!(
                     agent_id = %registered.agent.agent_id,
                     client_type = %registered.agent.client_type,
                     gateway_id = %registered.agent.gateway_id,
@@ -141,7 +143,7 @@ impl Registry {
             })
             .await
             .map_err(store_failure)?;
-        tracing::info!(
+        tracing::debug!(
             agent_id = %request.agent_id,
             connection_id = %request.connection_id,
             reason = %request.reason,

@@ -252,6 +252,11 @@ pub struct Engine {
     /// REST requests waiting for tasks' next events, woken by the leader's commits.
     pub watch: crate::watch::EventWatch,
     published: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Outbox frames published and not acknowledged yet, with when they were published: the
+    /// outbox sweeper leaves them alone until their acknowledgement is overdue. (A group
+    /// holding a 90 MiB result takes seconds to write; its frames must not count as stale
+    /// from the time the write began.)
+    unacknowledged: Arc<std::sync::Mutex<HashMap<String, std::time::Instant>>>,
     /// Frames sent outside the outbox whose acknowledgement someone waits for.
     acks_awaited: Arc<std::sync::Mutex<std::collections::HashMap<String, oneshot::Sender<()>>>>,
     /// This replica (unique per process): its lease holder id and the token of its
@@ -297,6 +302,7 @@ impl Engine {
             frames: Arc::default(),
             watch,
             published: Arc::default(),
+            unacknowledged: Arc::default(),
             acks_awaited: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
         };
@@ -354,6 +360,13 @@ impl Engine {
     /// are deleted with the next group.
     pub(crate) fn mark_published(&self, ids: impl IntoIterator<Item = String>) {
         let mut ids: Vec<String> = ids.into_iter().collect();
+        if let Ok(mut unacknowledged) = self.unacknowledged.lock()
+            && !unacknowledged.is_empty()
+        {
+            for id in &ids {
+                unacknowledged.remove(id);
+            }
+        }
         if let Ok(mut waiting) = self.acks_awaited.lock()
             && !waiting.is_empty()
         {
@@ -985,10 +998,28 @@ impl Engine {
                 delivery_headers(&frame.msg_id, &ack_subject, frame.connection.as_deref()),
                 frame.payload.into(),
             );
-            if let Err(e) = publish.instrument(span).await {
-                tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
+            match publish.instrument(span).await {
+                Ok(()) => {
+                    if let Ok(mut unacknowledged) = self.unacknowledged.lock() {
+                        unacknowledged.insert(frame.msg_id, std::time::Instant::now());
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
+                }
             }
         }
+    }
+
+    /// The outbox frames published less than `within` ago and not acknowledged yet: the
+    /// sweeper does not send them again. Older ones are forgotten here (the sweeper sends
+    /// them again, which records them anew).
+    pub(crate) fn recently_published(&self, within: Duration) -> Vec<String> {
+        let Ok(mut unacknowledged) = self.unacknowledged.lock() else {
+            return Vec::new();
+        };
+        unacknowledged.retain(|_, at| at.elapsed() < within);
+        unacknowledged.keys().cloned().collect()
     }
 }
 

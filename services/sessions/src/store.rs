@@ -235,7 +235,10 @@ const COLUMNS: &[Column] = &[
         name: "result",
         kind: Kind::Json,
         mutable: true,
-        cell: |t| json(t.result.as_ref()),
+        cell: |t| match result_is_history(t) {
+            true => Ok(Cell::Text(None)),
+            false => json(t.result.as_ref()),
+        },
     },
     Column {
         name: "error",
@@ -317,7 +320,20 @@ const COLUMNS: &[Column] = &[
             _ => json::<()>(None),
         },
     },
+    Column {
+        name: "result_is_history",
+        kind: Kind::Bool,
+        mutable: true,
+        cell: |t| Ok(Cell::Bool(result_is_history(t))),
+    },
 ];
+
+/// A scripted task's result is its history (every step's commands and results), so the row
+/// keeps it once: `result` is NULL and `result_is_history` true. A 90 MiB screenshot in a
+/// command's results is then written to the row once, not twice.
+fn result_is_history(task: &Task) -> bool {
+    matches!(&task.result, Some(Value::Array(items)) if *items == task.history)
+}
 
 fn column_names() -> String {
     COLUMNS
@@ -368,7 +384,7 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
     let task_select: Vec<String> = COLUMNS
         .iter()
         .map(|c| match c.kind {
-            Kind::Json => format!("{}::jsonb", c.name),
+            Kind::Json => format!("{}::json", c.name),
             _ => c.name.to_owned(),
         })
         .collect();
@@ -420,7 +436,7 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
              FROM UNNEST({task_arrays}) AS u({names}) WHERE {leading}{tail}), \
          written_events AS (\
              INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) \
-             SELECT task_id, seq, at_ms, kind, state, data::jsonb \
+             SELECT task_id, seq, at_ms, kind, state, data::json \
              FROM UNNEST({events}) AS u(task_id, seq, at_ms, kind, state, data) \
              WHERE {leading}), \
          written_processed AS (\
@@ -488,10 +504,17 @@ static TASK_EVENTS: Sql = Sql::same(
 static TASK_OWNER: Sql = Sql::same("SELECT requester_id FROM tasks WHERE task_id = $1");
 /// Reads the id back, a text on both databases (`SELECT 1` is INT4 on PostgreSQL).
 static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE msg_id = $1");
-static STALE_OUTBOX: Sql = Sql::same(
-    "SELECT msg_id, subject, connection_id, payload FROM task_outbox WHERE created_ms < $1 \
-     ORDER BY created_ms LIMIT $2",
-);
+/// Outbox rows committed before `$1`, oldest first, but those in the list `$3` (frames this
+/// replica published a moment ago whose acknowledgement may be on its way).
+static STALE_OUTBOX: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|backend| {
+        format!(
+            "SELECT msg_id, subject, connection_id, payload FROM task_outbox \
+             WHERE created_ms < $1 AND NOT ({}) ORDER BY created_ms LIMIT $2",
+            backend.in_list("msg_id", 3)
+        )
+    })
+});
 
 /// Outbox rows committed before `$1` (no gateway acknowledged them since), oldest first.
 static EXPIRED_OUTBOX: Sql =
@@ -535,6 +558,7 @@ struct TaskRecord {
     requester_extensions: Option<Json<Vec<Extension>>>,
     handoffs: i32,
     callback_on: Option<Json<Vec<TaskState>>>,
+    result_is_history: bool,
 }
 
 impl TryFrom<TaskRecord> for Task {
@@ -620,8 +644,11 @@ impl TryFrom<TaskRecord> for Task {
             error,
             data: r.data.map(|j| j.0),
             required_capabilities: r.required_capabilities.0,
+            result: match r.result_is_history {
+                true => Some(Value::Array(r.history.0.clone())),
+                false => r.result.map(|j| j.0),
+            },
             history: r.history.0,
-            result: r.result.map(|j| j.0),
             task_id: r.task_id,
             task_name: r.task_name,
             request: r.request,
@@ -1377,10 +1404,11 @@ impl TaskStore {
     }
 
     /// Outbox rows older than `older_than` (epoch ms): frames whose publish failed, or that
-    /// a crash left unsent.
+    /// a crash left unsent; not those in `except`.
     pub async fn stale_outbox(
         &self,
         older_than: i64,
+        except: &[String],
         limit: i64,
     ) -> Result<Vec<OutFrame>, StoreError> {
         let rows: Vec<(String, String, Option<String>, Vec<u8>)> = self
@@ -1388,6 +1416,7 @@ impl TaskStore {
             .query(&STALE_OUTBOX)
             .bind(older_than)
             .bind(limit)
+            .bind(List(except))
             .fetch_all()
             .await?;
         Ok(rows
@@ -1631,14 +1660,14 @@ mod tests {
 
     #[test]
     fn the_statements_come_from_the_one_column_list() {
-        assert_eq!(COLUMNS.len(), 35);
+        assert_eq!(COLUMNS.len(), 36);
         let upsert = PG_WRITE_GROUP.as_str();
-        // The lease's four parameters, then the tasks' 35 columns, then the other tables',
+        // The lease's four parameters, then the tasks' 36 columns, then the other tables',
         // then the callbacks' four.
-        assert!(upsert.contains("$5::text[]") && upsert.contains("$39::text[]"));
-        assert!(upsert.contains("$53::int8") && upsert.contains("$57::text[]"));
-        assert!(!upsert.contains("$58"));
-        assert!(upsert.contains("steps::jsonb"));
+        assert!(upsert.contains("$5::text[]") && upsert.contains("$40::bool[]"));
+        assert!(upsert.contains("$54::int8") && upsert.contains("$58::text[]"));
+        assert!(!upsert.contains("$59"));
+        assert!(upsert.contains("steps::json,"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(
             !upsert.contains("task_name = excluded"),

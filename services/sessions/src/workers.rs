@@ -433,9 +433,14 @@ pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
         }
         let dropped: std::collections::HashSet<String> = expired.iter().cloned().collect();
         engine.mark_published(expired);
+        let recent = engine.recently_published(OUTBOX_RESEND_AFTER);
         match engine
             .store
-            .stale_outbox(now - OUTBOX_RESEND_AFTER_MS, OUTBOX_SWEEP_ROWS)
+            .stale_outbox(
+                now - OUTBOX_RESEND_AFTER.as_millis() as i64,
+                &recent,
+                OUTBOX_SWEEP_ROWS,
+            )
             .await
         {
             Ok(rows) => {
@@ -454,8 +459,9 @@ pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
 
 /// How often the outbox is swept.
 const OUTBOX_SWEEP_EVERY: Duration = Duration::from_secs(1);
-/// A frame not acknowledged this long after it was committed is sent again.
-const OUTBOX_RESEND_AFTER_MS: i64 = 5_000;
+/// A frame not acknowledged this long after it was committed, and after it was published,
+/// is sent again.
+const OUTBOX_RESEND_AFTER: Duration = Duration::from_secs(5);
 /// Rows one sweep handles at most.
 const OUTBOX_SWEEP_ROWS: i64 = 500;
 

@@ -144,7 +144,7 @@ pub(crate) async fn handle(
             .insert(&client_id, &client.connection_id, info);
     }
     let liveness = state.presence.insert(&client.connection_id, &client_id);
-    tracing::info!(client = %client_id, kind = client_type.as_str(), connection = %client.connection_id, "registered");
+    tracing::debug!(client = %client_id, kind = client_type.as_str(), connection = %client.connection_id, "registered");
     let confirmation = server::registered(&details.extensions);
     // From here on the connection's end is reported, even if the confirmation below is the
     // write that fails.
