@@ -7,6 +7,7 @@
 //! databases and the encoding of a [`Task`] come from that list. Text for states, kinds and
 //! codes exists only here, at the database edge.
 
+use std::collections::HashMap;
 use std::sync::LazyLock;
 
 use aip_store::text::json_text;
@@ -333,6 +334,83 @@ const COLUMNS: &[Column] = &[
 /// command's results is then written to the row once, not twice.
 fn result_is_history(task: &Task) -> bool {
     matches!(&task.result, Some(Value::Array(items)) if *items == task.history)
+}
+
+/// Event data at least this large that repeats the task's history is stored as a reference
+/// to it ([`HISTORY_REF`]). Smaller data is stored as it is, so reading a task's events
+/// costs no read of the task.
+const SHARED_EVENT_DATA_BYTES: usize = 64 * 1024;
+
+/// The key of an event's stored data that stands for (a part of) the task's history: `"all"`
+/// in an ended event whose `result` is the whole history, or the index of the history entry
+/// a `results_received` event holds. Only the store writes and reads it.
+const HISTORY_REF: &str = "$history";
+
+/// An event's data as stored: a large result or step's results, which the task's `history`
+/// (written in the same group) holds already, becomes a [`HISTORY_REF`], so a 90 MiB
+/// screenshot is written once, not three times. [`TaskStore::events`] puts it back.
+fn stored_event_data(event: &NewEvent, task: Option<&Task>) -> Option<Value> {
+    let data = event.data.as_ref()?;
+    let shared = task.and_then(|task| match event.kind {
+        EventKind::Ended(_) => match data.get("result") {
+            Some(Value::Array(items)) if *items == task.history => {
+                let mut stored = data.clone();
+                if let Some(fields) = stored.as_object_mut() {
+                    fields.remove("result");
+                    fields.insert(HISTORY_REF.to_owned(), Value::from("all"));
+                }
+                Some(stored)
+            }
+            _ => None,
+        },
+        EventKind::ResultsReceived => task
+            .history
+            .iter()
+            .rposition(|entry| entry == data)
+            .map(|index| serde_json::json!({ HISTORY_REF: index })),
+        _ => None,
+    })?;
+    // Only large data is worth a read of the task when the events are read.
+    (encoded_len(data) >= SHARED_EVENT_DATA_BYTES).then_some(shared)
+}
+
+/// How many bytes `value` takes as JSON, counted without writing them anywhere.
+fn encoded_len(value: &Value) -> usize {
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    match serde_json::to_writer(&mut counter, value) {
+        Ok(()) => counter.0,
+        Err(_) => 0,
+    }
+}
+
+/// Puts back what [`stored_event_data`] replaced by a reference to `history`.
+fn restore_event_data(data: &mut Value, history: &[Value]) {
+    let Some(reference) = data.as_object_mut().and_then(|d| d.remove(HISTORY_REF)) else {
+        return;
+    };
+    match reference {
+        Value::String(all) if all == "all" => {
+            if let Some(fields) = data.as_object_mut() {
+                fields.insert("result".to_owned(), Value::Array(history.to_vec()));
+            }
+        }
+        Value::Number(index) => {
+            if let Some(entry) = index.as_u64().and_then(|i| history.get(i as usize)) {
+                *data = entry.clone();
+            }
+        }
+        _ => {}
+    }
 }
 
 fn column_names() -> String {
@@ -950,6 +1028,11 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         q.push(LITE_UPSERT_TAIL.as_str());
         q.build().execute(&mut *tx).await?;
     }
+    let tasks: HashMap<&str, &Task> = batch
+        .tasks
+        .iter()
+        .map(|t| (t.task_id.as_str(), t))
+        .collect();
     for rows in sized_chunks(&batch.events) {
         let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
             "INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) ",
@@ -960,10 +1043,14 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
                 .push_bind(e.at_ms)
                 .push_bind(e.kind.as_str())
                 .push_bind(e.state.as_str())
-                .push_bind(e.data.clone().map(|mut data| {
-                    storable(&mut data);
-                    Json(data)
-                }));
+                .push_bind(
+                    stored_event_data(e, tasks.get(e.task_id.as_str()).copied())
+                        .or_else(|| e.data.clone())
+                        .map(|mut data| {
+                            storable(&mut data);
+                            Json(data)
+                        }),
+                );
         });
         q.build().execute(&mut *tx).await?;
     }
@@ -1081,9 +1168,20 @@ async fn write_pg(
         };
     }
     let e = &batch.events;
+    let tasks: HashMap<&str, &Task> = batch
+        .tasks
+        .iter()
+        .map(|t| (t.task_id.as_str(), t))
+        .collect();
     let data = e
         .iter()
-        .map(|e| e.data.as_ref().map(json_text).transpose())
+        .map(|e| {
+            match stored_event_data(e, tasks.get(e.task_id.as_str()).copied()) {
+                Some(shared) => Some(json_text(&shared)),
+                None => e.data.as_ref().map(json_text),
+            }
+            .transpose()
+        })
         .collect::<Result<Vec<Option<String>>, _>>()
         .map_err(|source| StoreError::Encode {
             task_id: e.first().map(|e| e.task_id.clone()).unwrap_or_default(),
@@ -1358,7 +1456,25 @@ impl TaskStore {
             .bind(limit)
             .fetch_all()
             .await?;
-        records.into_iter().map(TaskEvent::try_from).collect()
+        let mut events = records
+            .into_iter()
+            .map(TaskEvent::try_from)
+            .collect::<Result<Vec<_>, _>>()?;
+        let shared = |e: &TaskEvent| {
+            e.data
+                .as_ref()
+                .is_some_and(|d| d.get(HISTORY_REF).is_some())
+        };
+        if events.iter().any(shared)
+            && let Some(task) = self.get(task_id).await?
+        {
+            for event in events.iter_mut().filter(|e| shared(e)) {
+                if let Some(data) = event.data.as_mut() {
+                    restore_event_data(data, &task.history);
+                }
+            }
+        }
+        Ok(events)
     }
 
     /// The requester of the task with this id, if it exists.
@@ -1374,10 +1490,7 @@ impl TaskStore {
 
     /// The requesters of those of these task ids that exist, in one query per
     /// [`IDS_PER_STATEMENT`] ids.
-    pub async fn owners(
-        &self,
-        task_ids: &[String],
-    ) -> Result<std::collections::HashMap<String, String>, StoreError> {
+    pub async fn owners(&self, task_ids: &[String]) -> Result<HashMap<String, String>, StoreError> {
         let mut owners = std::collections::HashMap::new();
         for chunk in task_ids.chunks(IDS_PER_STATEMENT) {
             let rows: Vec<(String, String)> = self

@@ -309,6 +309,46 @@ async fn frames_larger_than_a_bus_message_travel_both_ways(backend: Backend) {
             .map(str::len),
         Some(screenshot.len())
     );
+    // The events carry the screenshot too: the step's results and the ended task's result.
+    let (_, log) = get_json(&format!("{}/api/tasks/big-1/events", stack.sessions_url())).await;
+    let events = log["events"].as_array().expect("events");
+    let of_kind = |kind: &str| {
+        events
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .unwrap_or_else(|| panic!("a {kind} event in {log}"))
+    };
+    assert_eq!(
+        of_kind("results_received")["data"]["results"][0]["result"]["png_base64"]
+            .as_str()
+            .map(str::len),
+        Some(screenshot.len())
+    );
+    assert_eq!(of_kind("completed")["data"]["result"], task["result"]);
+    assert_eq!(of_kind("results_received")["data"], task["result"][0]);
+    // ...but the database holds it once: in the task's history, not in its result or events.
+    let db = aip_store::Database::connect(&stack.database_url)
+        .await
+        .expect("the stack's database");
+    let events_bytes = aip_store::Sql::same(
+        "SELECT CAST(COALESCE(SUM(LENGTH(CAST(data AS TEXT))), 0) AS BIGINT) FROM task_events \
+         WHERE task_id = 'big-1'",
+    );
+    let (stored,): (i64,) = db
+        .query(&events_bytes)
+        .fetch_one()
+        .await
+        .expect("event sizes");
+    assert!(stored < 64 * 1024, "events store {stored} bytes");
+    let task_bytes = aip_store::Sql::same(
+        "SELECT CAST(COALESCE(LENGTH(CAST(result AS TEXT)), 0) + LENGTH(CAST(history AS TEXT)) \
+         AS BIGINT) FROM tasks WHERE task_id = 'big-1'",
+    );
+    let (stored,): (i64,) = db.query(&task_bytes).fetch_one().await.expect("task size");
+    assert!(
+        (screenshot.len()..screenshot.len() + 64 * 1024).contains(&(stored as usize)),
+        "the task's row stores {stored} bytes"
+    );
     stack.stop().await;
 }
 both_backends!(frames_larger_than_a_bus_message_travel_both_ways);
