@@ -40,3 +40,8 @@ ALTER TABLE task_callbacks ALTER COLUMN payload SET STORAGE EXTERNAL;
 -- A scripted task's result is its history (every step's commands and results): the row keeps
 -- it once, with `result` NULL.
 ALTER TABLE tasks ADD COLUMN result_is_history boolean NOT NULL DEFAULT false;
+
+-- What an outbox row's payload holds: the frame ('frame'), or for a large task_end the task
+-- and response id it is built from again if it must be re-sent ('task_end_of'): the result is
+-- in the task's row already.
+ALTER TABLE task_outbox ADD COLUMN payload_kind text NOT NULL DEFAULT 'frame';

@@ -28,7 +28,7 @@ use serde_json::{Value, json};
 
 use crate::planners::{PlanJob, Planned, PlannerError};
 use crate::settings::SessionSettings;
-use crate::store::{Batch, NewEvent, OutFrame};
+use crate::store::{Batch, NewEvent, OutFrame, TaskEndOf};
 use crate::task::{
     Asker, EventKind, ExecutorRef, InvalidTransition, Question, Task, TaskError, Waiting, now_ms,
 };
@@ -458,19 +458,31 @@ impl Machine {
     /// sent (an empty payload would reach the client as garbage).
     fn send_on(&mut self, client_id: &str, connection: Option<&str>, frame: &ServerMessage) {
         match serde_json::to_vec(frame) {
-            Ok(payload) => self.pending.batch.outbox.push(OutFrame {
-                msg_id: server::new_id(),
-                subject: self.subjects.deliver(client_id),
-                connection: connection.map(str::to_owned),
-                payload,
-                trace: aip_bus::trace::context_of(&tracing::Span::current()),
-            }),
+            Ok(payload) => self.queue(client_id, connection, payload.into(), None),
             Err(e) => tracing::error!(
                 client = %client_id,
                 kind = %frame.kind,
                 "a frame could not be encoded and is not sent: {e}"
             ),
         }
+    }
+
+    /// Queues an encoded frame for the outbox.
+    fn queue(
+        &mut self,
+        client_id: &str,
+        connection: Option<&str>,
+        payload: bytes::Bytes,
+        task_end_of: Option<TaskEndOf>,
+    ) {
+        self.pending.batch.outbox.push(OutFrame {
+            msg_id: server::new_id(),
+            subject: self.subjects.deliver(client_id),
+            connection: connection.map(str::to_owned),
+            payload,
+            task_end_of,
+            trace: aip_bus::trace::context_of(&tracing::Span::current()),
+        });
     }
 
     fn applied(&mut self, msg_id: Option<&str>) {
@@ -1839,28 +1851,37 @@ impl Machine {
         self.event(task, EventKind::Ended(state), Some(data));
         self.planning.remove(&task.task_id);
 
-        let status = if state == TaskState::Completed {
-            TaskStatus::Completed
-        } else {
-            TaskStatus::Failed
+        drop(result);
+        let response_id = server::new_id();
+        let frame = task.task_end(&response_id);
+        // Encoded once for both: a result can be tens of MiB.
+        let payload = match serde_json::to_vec(&frame) {
+            Ok(payload) => Some(bytes::Bytes::from(payload)),
+            Err(e) => {
+                tracing::error!(task = %task.task_id, "the task_end frame could not be encoded and is not sent: {e}");
+                None
+            }
         };
-        let frame = server::task_end(
-            &task.task_id,
-            status,
-            result,
-            task.error.as_ref().map(|e| e.detail.clone()),
-            &server::new_id(),
-        );
+        let task_end_of = TaskEndOf {
+            task_id: task.task_id.clone(),
+            response_id,
+        };
         let requester_client = task.requester.client_id().map(str::to_owned);
+        if let (Some(requester), Some(payload)) = (&requester_client, &payload) {
+            self.queue(requester, None, payload.clone(), Some(task_end_of.clone()));
+        }
         if let Some(requester) = &requester_client {
-            self.send(requester, &frame);
             self.unindex_client(requester, &task.task_id);
         }
         self.pending.ended.push(task.task_id.clone());
         let executor = task.executor.id.clone();
         self.unindex_client(&executor, &task.task_id);
-        if was_running && requester_client.as_deref() != Some(executor.as_str()) {
-            self.send_to_executor(&task.executor, &frame);
+        if was_running
+            && requester_client.as_deref() != Some(executor.as_str())
+            && let Some(payload) = payload
+        {
+            let connection = task.executor.connection.clone();
+            self.queue(&executor, connection.as_deref(), payload, Some(task_end_of));
         }
         self.let_go(&executor, task, was_running);
         self.release(&executor);

@@ -336,10 +336,10 @@ fn result_is_history(task: &Task) -> bool {
     matches!(&task.result, Some(Value::Array(items)) if *items == task.history)
 }
 
-/// Event data at least this large that repeats the task's history is stored as a reference
-/// to it ([`HISTORY_REF`]). Smaller data is stored as it is, so reading a task's events
-/// costs no read of the task.
-const SHARED_EVENT_DATA_BYTES: usize = 64 * 1024;
+/// Event data and `task_end` frames at least this large that repeat what the task's row holds
+/// are stored as references to it ([`HISTORY_REF`], [`TaskEndOf`]). Smaller ones are stored
+/// as they are, so reading a task's events costs no read of the task.
+const LARGE_VALUE_BYTES: usize = 64 * 1024;
 
 /// The key of an event's stored data that stands for (a part of) the task's history: `"all"`
 /// in an ended event whose `result` is the whole history, or the index of the history entry
@@ -371,7 +371,7 @@ fn stored_event_data(event: &NewEvent, task: Option<&Task>) -> Option<Value> {
         _ => None,
     })?;
     // Only large data is worth a read of the task when the events are read.
-    (encoded_len(data) >= SHARED_EVENT_DATA_BYTES).then_some(shared)
+    (encoded_len(data) >= LARGE_VALUE_BYTES).then_some(shared)
 }
 
 /// How many bytes `value` takes as JSON, counted without writing them anywhere.
@@ -493,6 +493,7 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
         param("text[]"),
         param("text[]"),
         param("bytea[]"),
+        param("text[]"),
     ]
     .join(", ");
     let published = param("text[]");
@@ -522,9 +523,10 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
              SELECT id, {now} FROM UNNEST({processed}) AS u(id) WHERE {leading} \
              ON CONFLICT (msg_id) DO NOTHING), \
          written_outbox AS (\
-             INSERT INTO task_outbox (msg_id, subject, connection_id, payload, created_ms) \
-             SELECT msg_id, subject, connection_id, payload, {now} \
-             FROM UNNEST({outbox}) AS u(msg_id, subject, connection_id, payload) \
+             INSERT INTO task_outbox (msg_id, subject, connection_id, payload, payload_kind, \
+                 created_ms) \
+             SELECT msg_id, subject, connection_id, payload, payload_kind, {now} \
+             FROM UNNEST({outbox}) AS u(msg_id, subject, connection_id, payload, payload_kind) \
              WHERE {leading}), \
          deleted_outbox AS (\
              DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
@@ -587,7 +589,7 @@ static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE m
 static STALE_OUTBOX: LazyLock<Sql> = LazyLock::new(|| {
     Sql::render(|backend| {
         format!(
-            "SELECT msg_id, subject, connection_id, payload FROM task_outbox \
+            "SELECT msg_id, subject, connection_id, payload, payload_kind FROM task_outbox \
              WHERE created_ms < $1 AND NOT ({}) ORDER BY created_ms LIMIT $2",
             backend.in_list("msg_id", 3)
         )
@@ -824,10 +826,60 @@ pub struct OutFrame {
     /// The one connection of the client that may receive it (an executor's frames go to the
     /// connection its task is bound to); `None`: whichever connection the client has.
     pub connection: Option<String>,
-    pub payload: Vec<u8>,
+    pub payload: bytes::Bytes,
+    /// The task whose `task_end` this frame is. A large one is stored as this reference, not
+    /// as its bytes (the task's row holds the result), and built again from the task if it
+    /// must be sent again.
+    pub task_end_of: Option<TaskEndOf>,
     /// The trace the frame continues (not stored: a frame sent again after a restart starts
     /// no span).
     pub trace: Option<aip_bus::trace::Context>,
+}
+
+/// Which task's `task_end` an outbox frame is, and its `response_id`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TaskEndOf {
+    pub task_id: String,
+    pub response_id: String,
+}
+
+/// What an outbox row's `payload` holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PayloadKind {
+    /// The frame's bytes.
+    Frame,
+    /// A [`TaskEndOf`] as JSON: the frame is built from the task when it is sent again.
+    TaskEndOf,
+}
+
+impl PayloadKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            PayloadKind::Frame => "frame",
+            PayloadKind::TaskEndOf => "task_end_of",
+        }
+    }
+
+    fn from_db(kind: &str) -> Option<Self> {
+        match kind {
+            "frame" => Some(PayloadKind::Frame),
+            "task_end_of" => Some(PayloadKind::TaskEndOf),
+            _ => None,
+        }
+    }
+}
+
+/// An outbox row's payload as stored: a `task_end` at least [`LARGE_VALUE_BYTES`] long
+/// becomes its [`TaskEndOf`], so its result is written once (in the task's row), not once
+/// more for the requester and once for the executor.
+fn stored_payload(frame: &OutFrame) -> (PayloadKind, std::borrow::Cow<'_, [u8]>) {
+    match &frame.task_end_of {
+        Some(of) if frame.payload.len() >= LARGE_VALUE_BYTES => match serde_json::to_vec(of) {
+            Ok(reference) => (PayloadKind::TaskEndOf, reference.into()),
+            Err(_) => (PayloadKind::Frame, frame.payload.as_ref().into()),
+        },
+        _ => (PayloadKind::Frame, frame.payload.as_ref().into()),
+    }
 }
 
 /// A callback to deliver, written with the state change it tells of.
@@ -1067,13 +1119,16 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
     }
     for rows in sized_chunks(&batch.outbox) {
         let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-            "INSERT INTO task_outbox (msg_id, subject, connection_id, payload, created_ms) ",
+            "INSERT INTO task_outbox (msg_id, subject, connection_id, payload, payload_kind, \
+             created_ms) ",
         );
         q.push_values(rows, |mut b, f| {
+            let (kind, payload) = stored_payload(f);
             b.push_bind(f.msg_id.clone())
                 .push_bind(f.subject.clone())
                 .push_bind(f.connection.clone())
-                .push_bind(f.payload.clone())
+                .push_bind(payload.into_owned())
+                .push_bind(kind.as_str())
                 .push_bind(now);
         });
         q.build().execute(&mut *tx).await?;
@@ -1188,6 +1243,7 @@ async fn write_pg(
             source,
         })?;
     let o = &batch.outbox;
+    let payloads: Vec<_> = o.iter().map(stored_payload).collect();
     let c = &batch.callbacks;
     let bytes = rows
         .iter()
@@ -1197,7 +1253,7 @@ async fn write_pg(
             _ => 8,
         })
         .chain(data.iter().map(|d| d.as_ref().map_or(0, String::len)))
-        .chain(o.iter().map(|f| f.payload.len()))
+        .chain(payloads.iter().map(|(_, p)| p.len()))
         .chain(c.iter().map(|c| c.payload.len()))
         .sum::<usize>();
     let renewed = q
@@ -1216,7 +1272,18 @@ async fn write_pg(
                 .map(|f| f.connection.as_deref())
                 .collect::<Vec<_>>(),
         )
-        .bind(o.iter().map(|f| f.payload.as_ref()).collect::<Vec<&[u8]>>())
+        .bind(
+            payloads
+                .iter()
+                .map(|(_, p)| p.as_ref())
+                .collect::<Vec<&[u8]>>(),
+        )
+        .bind(
+            payloads
+                .iter()
+                .map(|(kind, _)| kind.as_str())
+                .collect::<Vec<_>>(),
+        )
         .bind(&batch.published)
         .bind(batch.prune_processed_before)
         .bind(c.iter().map(|c| c.callback_id.as_str()).collect::<Vec<_>>())
@@ -1524,7 +1591,7 @@ impl TaskStore {
         except: &[String],
         limit: i64,
     ) -> Result<Vec<OutFrame>, StoreError> {
-        let rows: Vec<(String, String, Option<String>, Vec<u8>)> = self
+        let rows: Vec<(String, String, Option<String>, Vec<u8>, String)> = self
             .db
             .query(&STALE_OUTBOX)
             .bind(older_than)
@@ -1532,16 +1599,43 @@ impl TaskStore {
             .bind(List(except))
             .fetch_all()
             .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(msg_id, subject, connection, payload)| OutFrame {
+        let mut frames = Vec::with_capacity(rows.len());
+        for (msg_id, subject, connection, payload, kind) in rows {
+            let corrupt = |value: String| StoreError::Corrupt {
+                task_id: String::new(),
+                column: "task_outbox.payload_kind",
+                value,
+            };
+            let (payload, task_end_of) = match PayloadKind::from_db(&kind) {
+                Some(PayloadKind::Frame) => (bytes::Bytes::from(payload), None),
+                Some(PayloadKind::TaskEndOf) => {
+                    let of: TaskEndOf = serde_json::from_slice(&payload)
+                        .map_err(|e| corrupt(format!("{kind}: {e}")))?;
+                    let Some(task) = self.get(&of.task_id).await? else {
+                        tracing::warn!(task = %of.task_id, "the task of a task_end in the outbox is gone; not sent");
+                        continue;
+                    };
+                    let frame =
+                        serde_json::to_vec(&task.task_end(&of.response_id)).map_err(|source| {
+                            StoreError::Encode {
+                                task_id: of.task_id.clone(),
+                                source,
+                            }
+                        })?;
+                    (bytes::Bytes::from(frame), Some(of))
+                }
+                None => return Err(corrupt(kind)),
+            };
+            frames.push(OutFrame {
                 msg_id,
                 subject,
                 connection,
                 payload,
+                task_end_of,
                 trace: None,
-            })
-            .collect())
+            });
+        }
+        Ok(frames)
     }
 }
 
@@ -1778,8 +1872,8 @@ mod tests {
         // The lease's four parameters, then the tasks' 36 columns, then the other tables',
         // then the callbacks' four.
         assert!(upsert.contains("$5::text[]") && upsert.contains("$40::bool[]"));
-        assert!(upsert.contains("$54::int8") && upsert.contains("$58::text[]"));
-        assert!(!upsert.contains("$59"));
+        assert!(upsert.contains("$55::int8") && upsert.contains("$59::text[]"));
+        assert!(!upsert.contains("$60"));
         assert!(upsert.contains("steps::json,"));
         assert!(upsert.contains("state = excluded.state"));
         assert!(

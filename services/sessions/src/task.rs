@@ -375,6 +375,23 @@ pub struct Task {
 }
 
 impl Task {
+    /// The `task_end` frame of this ended task, with `response_id` (the requester and the
+    /// executor get the same one).
+    pub fn task_end(&self, response_id: &str) -> proto_schemas::ServerMessage {
+        let status = if self.state == TaskState::Completed {
+            proto_schemas::TaskStatus::Completed
+        } else {
+            proto_schemas::TaskStatus::Failed
+        };
+        proto_schemas::server::task_end(
+            &self.task_id,
+            status,
+            self.result.clone(),
+            self.error.as_ref().map(|e| e.detail.clone()),
+            response_id,
+        )
+    }
+
     /// Where it stands.
     pub fn state(&self) -> TaskState {
         self.state

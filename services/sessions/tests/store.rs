@@ -556,3 +556,78 @@ async fn text_with_nul_is_stored(backend: Backend) {
 }
 
 both_backends!(text_with_nul_is_stored);
+
+/// A large `task_end` is stored as a reference to its task (whose row holds the result), for
+/// the requester and the executor alike, and is built again, whole, when it must be re-sent.
+async fn a_large_task_end_is_stored_once(backend: Backend) {
+    let db = test_database(backend).await.expect("a test database");
+    let database = db.connect().await.expect("connects");
+    database.migrate().await.expect("migrates");
+    let store = TaskStore::new(database.clone());
+    let mut writer = lead(&store).await;
+    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+    let constellation = Requester::Client {
+        id: "galaxy".to_owned(),
+        client_type: ClientType::Constellation,
+        connection: Some("galaxy-connection".to_owned()),
+        extensions: Vec::new(),
+    };
+    machine
+        .submit(
+            new_task("big", "big", constellation, "d1", Plan::Driver),
+            None,
+        )
+        .expect("starts");
+    commit(&mut machine, &mut writer).await;
+    let screenshot = "A".repeat(512 * 1024);
+    machine
+        .complete("big", Some(json!({ "png": screenshot })), None)
+        .expect("completes");
+    let ended = commit(&mut machine, &mut writer).await;
+    assert_eq!(
+        ended.outbox.len(),
+        2,
+        "to the requester and to the executor"
+    );
+
+    let sizes = aip_store::Sql::same(
+        "SELECT CAST(COALESCE(MAX(LENGTH(payload)), 0) AS BIGINT) FROM task_outbox",
+    );
+    let (largest,): (i64,) = database
+        .query(&sizes)
+        .fetch_one()
+        .await
+        .expect("payload sizes");
+    assert!(largest < 1024, "an outbox payload holds {largest} bytes");
+
+    let resent = store
+        .stale_outbox(now_ms() + 60_000, &[], 100)
+        .await
+        .expect("stale outbox");
+    let frames: Vec<serde_json::Value> = resent
+        .iter()
+        .filter(|f| f.task_end_of.is_some())
+        .map(|f| serde_json::from_slice(&f.payload).expect("a frame"))
+        .collect();
+    assert_eq!(frames.len(), 2, "{resent:?}");
+    for frame in &frames {
+        assert_eq!(frame["type"], "task_end");
+        assert_eq!(frame["status"], "completed");
+        assert_eq!(frame["session_id"], "big");
+        assert_eq!(
+            frame["result"]["png"].as_str().map(str::len),
+            Some(screenshot.len())
+        );
+    }
+    assert_eq!(
+        frames[0]["response_id"], frames[1]["response_id"],
+        "both are the same task_end"
+    );
+    let subjects: Vec<&str> = resent.iter().map(|f| f.subject.as_str()).collect();
+    assert!(
+        subjects.iter().any(|s| s.ends_with(".galaxy")),
+        "{subjects:?}"
+    );
+    assert!(subjects.iter().any(|s| s.ends_with(".d1")), "{subjects:?}");
+}
+both_backends!(a_large_task_end_is_stored_once);
