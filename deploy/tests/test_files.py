@@ -196,6 +196,60 @@ class Routing(unittest.TestCase):
         self.assertGreater(int(tunnel.group(1)), PING_INTERVAL_SECS)
 
 
+class Image(unittest.TestCase):
+    """What the image is built from."""
+
+    def context(self, into):
+        """Copies the build context as .dockerignore leaves it (its rules: `*`, then `!path`
+        to take a top-level path back, then exclusions of `**/name/`) into `into`."""
+        import shutil
+        with open(os.path.join(d.ROOT, ".dockerignore")) as f:
+            rules = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        self.assertEqual(rules[0], "*", "an allow-list")
+        taken = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
+        dropped = [r[3:].rstrip("/") for r in rules if r.startswith("**/")]
+        self.assertEqual(len(taken) + len(dropped) + 1, len(rules), f"rules this test reads: {rules}")
+        ignore = shutil.ignore_patterns(*dropped)
+        for path in taken:
+            source = os.path.join(d.ROOT, path)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(into, path), ignore=ignore)
+            else:
+                shutil.copy(source, os.path.join(into, path))
+
+    def test_the_build_context_holds_the_whole_workspace(self):
+        """`cargo metadata --locked --offline` (for Linux) in a copy of the context: every member,
+        the lock file and what the crates include (the migrations) are in it."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.context(tmp)
+            result = subprocess.run(["cargo", "metadata", "--locked", "--offline", "--format-version", "1",
+                                     "--filter-platform", "x86_64-unknown-linux-gnu"],
+                                    cwd=tmp, capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+            packages = {p["name"] for p in json.loads(result.stdout)["packages"]}
+            for package in ("aip-gateway", "aip-registry", "aip-sessions", "aip"):
+                self.assertIn(package, packages)
+            self.assertTrue(os.path.isdir(os.path.join(tmp, "migrations", "postgres")))
+            self.assertTrue(os.path.isfile(os.path.join(tmp, ".cargo", "config.toml")))
+            self.assertFalse(os.path.exists(os.path.join(tmp, "target")))
+
+    def test_the_dockerfile_builds_and_ships_every_binary(self):
+        with open(os.path.join(d.ROOT, "deploy", "Dockerfile")) as f:
+            text = f.read()
+        for binary in d.AIP_BINARIES:
+            self.assertRegex(text, rf"-p {re.escape(binary)}(?![\w-])", "built")
+            self.assertRegex(text, rf"target/release/{re.escape(binary)}(?![\w-])", "shipped")
+        self.assertRegex(text, r"(?m)^USER 10001:10001$", "a non-root user, numeric for runAsNonRoot")
+
+    def test_scaled_services_have_no_fixed_name_or_host_port(self):
+        """`docker compose up --scale gateway=N`: a fixed container name or host port would
+        clash between replicas."""
+        for name, service in d.compose()["services"].items():
+            if name in ("gateway", "sessions", "registry"):
+                self.assertNotIn("container_name", service, name)
+                self.assertNotIn("ports", service, name)
+
+
 class Configurations(unittest.TestCase):
     """The configuration files of the other programs load with compose's environment."""
 
