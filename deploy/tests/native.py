@@ -81,8 +81,8 @@ class Dns:
     def __init__(self, address, lookup):
         self.lookup = lookup
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((address, 53))
-        self.address = f"{address}:53"
+        self.sock.bind((address, 0))  # any port: HAProxy is told it (LB_DNS)
+        self.address = "%s:%d" % self.sock.getsockname()
         self.thread = threading.Thread(target=self.serve, daemon=True)
         self.running = True
         self.thread.start()
