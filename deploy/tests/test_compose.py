@@ -13,6 +13,7 @@ The cluster runs as `docker compose up --scale gateway=3` would: three gateways.
    time (each started again before the next, as compose's restart policy and Kubernetes do)
    while devices and constellations run tasks through the origin and reconnect by
    themselves: no task is lost, none runs a command twice.
+5. With no session replica ready, the origin answers 503 UNAVAILABLE in the API's error shape.
 
     python3 -m unittest discover -s deploy/tests -p 'test_compose.py' -v
 """
@@ -38,6 +39,11 @@ DEVICES = 4
 # As `docker compose up --scale gateway=3`: one gateway more than the file's two, which the
 # load balancer finds by DNS with no change to its configuration.
 SCALE = {"gateway": 3}
+
+
+def wire_status(state):
+    """The status of the task_end a requester gets for a task that ended in `state`."""
+    return "completed" if state == "completed" else "failed"
 
 
 def constellation_id(device):
@@ -104,6 +110,14 @@ class ThroughThePublicOrigin(unittest.TestCase):
         within(30, lambda: http("GET", f"{cls.origin}/api/tasks?limit=1")[0] == 200,
                "REST through the origin")
 
+    failures = 0
+
+    def run(self, result=None):
+        result = super().run(result)
+        if result is not None:
+            type(self).failures = len(result.failures) + len(result.errors)
+        return result
+
     @classmethod
     def tearDownClass(cls):
         if cls.cluster:
@@ -111,6 +125,10 @@ class ThroughThePublicOrigin(unittest.TestCase):
             panics = cls.cluster.panics()
             if panics:
                 raise AssertionError(f"panics in {panics} ({cls.cluster.logs})")
+            if cls.failures == 0:
+                cls.cluster.remove()
+            else:
+                log(f"logs kept in {cls.cluster.logs}")
 
     # --- 1 ----------------------------------------------------------------------------
     def test_1_a_ufo_device_and_a_galaxy_constellation_run_a_task(self):
@@ -249,9 +267,9 @@ class ThroughThePublicOrigin(unittest.TestCase):
             return sum(1 for t in record.tasks.values() if t.end_status == "completed")
 
         async def until(condition, secs, what):
-            deadline = time.monotonic() + secs
+            deadline = native.Deadline(secs)
             while not condition():
-                if time.monotonic() > deadline:
+                if deadline.passed():
                     raise AssertionError(f"not within {secs}s: {what}")
                 await asyncio.sleep(0.2)
 
@@ -300,9 +318,14 @@ class ThroughThePublicOrigin(unittest.TestCase):
         except AssertionError:
             pass
         db_states = dict(cluster.psql(f"SELECT task_id, state FROM tasks WHERE task_id LIKE '%@{run_id}'"))
+        # A task_end says `completed` or `failed` (UFO's statuses): failed, canceled and
+        # rejected tasks all end `failed` on the wire.
         contradictions = [(sid, t.end_status, db_states.get(sid)) for sid, t in record.tasks.items()
-                          if t.end_status is not None and db_states.get(sid) != t.end_status
-                          and not (t.end_status == "failed" and sid not in db_states)]
+                          if t.end_status is not None and sid in db_states
+                          and wire_status(db_states[sid]) != t.end_status]
+        refused_unstored = [sid for sid, t in record.tasks.items()
+                            if t.end_status is not None and t.end_status != "failed" and sid not in db_states]
+        contradictions += [(sid, "completed", None) for sid in refused_unstored]
         afterwards = await asyncio.to_thread(self.fresh_task_state)
         result = {
             "submitted": len(record.tasks), "completed": completed(),
@@ -317,10 +340,39 @@ class ThroughThePublicOrigin(unittest.TestCase):
         await asyncio.gather(*clients, return_exceptions=True)
         return result
 
+    # --- 5 ----------------------------------------------------------------------------
+    def test_5_with_no_session_replica_the_origin_answers_unavailable_in_the_api_shape(self):
+        replicas = [p for p in self.cluster.replicas_of("sessions") if p.alive()]
+        for proc in replicas:
+            self.assertEqual(proc.terminate(), 0, proc.label)
+
+        def refused():
+            status, body = http("GET", f"{self.origin}/api/tasks")
+            return status == 503 and json.loads(body)
+        body = within(10, refused, "the origin noticing no session replica is ready")
+        self.assertEqual(body["error_code"], "UNAVAILABLE", body)
+        for proc in replicas:
+            self.cluster.restart(proc)
+        within(60, self.cluster.leader, "a session leader again")
+        within(30, lambda: http("GET", f"{self.origin}/api/tasks")[0] == 200, "REST through the origin again")
+
     def fresh_task_state(self):
-        status, body = http("POST", f"{self.origin}/api/tasks", {
-            "version": 1, "description": "after the rolling restart", "originating_agent_id": "deploy-test",
-            "target_id": "roll-dev0", "steps": load.echo_steps()})
+        """A task over REST on a load device once UFO's client list shows it, as a caller
+        does it: a 503 UNAVAILABLE (a standby answered in the second before the load balancer
+        saw the new leader, or no replica was ready yet) is tried again."""
+        def online():
+            status, body = http("GET", f"{self.origin}/api/clients")
+            return status == 200 and "roll-dev0" in json.loads(body)["online_clients"]
+        within(30, online, "roll-dev0 online in /api/clients")
+
+        def submitted():
+            status, body = http("POST", f"{self.origin}/api/tasks", {
+                "version": 1, "description": "after the rolling restart", "originating_agent_id": "deploy-test",
+                "target_id": "roll-dev0", "steps": load.echo_steps()})
+            if status == 503 and json.loads(body)["error_code"] == "UNAVAILABLE":
+                return None
+            return status, body
+        status, body = within(30, submitted, "a leader taking the REST task", 0.5)
         if status != 201:
             return f"refused: {status} {body[:200]}"
         task_id = json.loads(body)["task_id"]
