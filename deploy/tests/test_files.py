@@ -275,9 +275,12 @@ class Configurations(unittest.TestCase):
         with open(os.path.join(d.ROOT, "deploy", "nats", "users.conf")) as f:
             wanted = set(re.findall(r"\$(AIP_NATS_[A-Z_]+_PASSWORD)", f.read()))
         self.assertEqual(wanted, set(d.environment_of(nats)))
-        statefulset = d.k8s_by_kind("StatefulSet")["nats"]
-        k8s_env = {e["name"] for e in statefulset["spec"]["template"]["spec"]["containers"][0]["env"]}
-        self.assertEqual(wanted, k8s_env)
+        container = d.k8s_by_kind("StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]
+        self.assertEqual(wanted, {e["name"] for e in container["env"]})
+        # The same command and the same files (test below): this check covers Kubernetes too.
+        self.assertEqual(container["command"], argv)
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        self.assertIn("/etc/nats/aip", mounts)
 
     def test_the_kubernetes_nats_configuration_is_deploy_nats(self):
         data = d.k8s_by_kind("ConfigMap")["nats-config"]["data"]
