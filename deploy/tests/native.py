@@ -232,6 +232,7 @@ class Proc:
         """SIGTERM, as `docker compose stop` and Kubernetes send it; the exit code."""
         if not self.alive():
             return self.popen.returncode if self.popen else None
+        self.popen.send_signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
         self.popen.send_signal(signal.SIGTERM)
         try:
             return self.popen.wait(grace)

@@ -99,16 +99,17 @@ class ThroughThePublicOrigin(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.cluster = native.Cluster(scale=SCALE)
-        try:
-            cls.cluster.start()
-        except BaseException:
-            cls.cluster.stop()
-            raise
         cls.origin = cls.cluster.public_url()
         cls.ws = cls.cluster.public_url("ws") + "/ws"
-        # HAProxy uses a replica once its check passed: wait for the leader to be in use.
-        within(30, lambda: http("GET", f"{cls.origin}/api/tasks?limit=1")[0] == 200,
-               "REST through the origin")
+        # tearDownClass does not run when this fails: stop what was started here.
+        try:
+            cls.cluster.start()
+            within(30, lambda: http("GET", f"{cls.origin}/api/tasks?limit=1")[0] == 200,
+                   "REST through the origin")
+        except BaseException:
+            cls.cluster.stop()
+            log(f"logs kept in {cls.cluster.logs}")
+            raise
 
     failures = 0
 
