@@ -10,6 +10,10 @@
 #   5. bench/faults/ci.sh: the fault harness at CI scale (throwaway nats-server and PostgreSQL
 #      cluster; kills, restarts and freezes each component), every row clean. Needs root
 #      (initdb runs as `postgres`); AIP_FAULTS=0 skips it.
+#   6. deploy/tests/run.sh: the deployment files validated offline (docker-compose config,
+#      kubernetes-validate --strict, hadolint), checked against the binaries, and
+#      docker-compose.yml run natively with a rolling restart under load (about a minute;
+#      installs Debian's haproxy and docker-compose as root); AIP_DEPLOY=0 skips it.
 #
 # Environment (defaults are used only when the variable is unset):
 #   NATS_URL       nats://127.0.0.1:4222
@@ -103,6 +107,13 @@ elif [[ "$(id -u)" -ne 0 ]]; then
 else
   cargo build --locked -p aip-gateway -p aip-registry -p aip-sessions
   bench/faults/ci.sh
+fi
+
+step "deployment: docker-compose.yml, deploy/k8s, deploy/Dockerfile (deploy/tests/run.sh)"
+if [[ "${AIP_DEPLOY:-1}" == 0 ]]; then
+  echo "skipped: AIP_DEPLOY=0"
+else
+  deploy/tests/run.sh
 fi
 
 step "REST fuzzing: schemathesis against the session service and the registry"

@@ -2,7 +2,8 @@
 //!
 //! - [`api_error`]: the one REST error, extractors that refuse with it, shared OpenAPI parts;
 //! - [`service`]: what every service's settings share, checked once, and [`StartError`];
-//! - [`runner`]: the one `main` of every service binary;
+//! - [`runner`]: the one `main` of every service binary (serve, `migrate`, `probe`, `--check`);
+//! - [`check`]: which environment variables a binary reads, and the ones it would ignore;
 //! - [`listener`]: a service's own listener, or none when `aip dev` embeds it;
 //! - [`health`]: `/healthz` and `/readyz`, one body shape everywhere;
 //! - [`api_keys`]: REST API keys (`X-API-Key` or `Authorization: Bearer`) and the callers
@@ -16,6 +17,7 @@
 
 pub mod api_error;
 pub mod api_keys;
+pub mod check;
 pub mod health;
 pub mod listener;
 pub mod metrics;

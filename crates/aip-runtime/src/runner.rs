@@ -68,18 +68,168 @@ pub fn require_database(
 #[command(version)]
 struct Args {
     /// Configuration file (TOML or JSON); environment variables `AIP_…` override it.
-    #[arg(long, short = 'c', env = "AIP_CONFIG")]
+    #[arg(long, short = 'c', env = "AIP_CONFIG", global = true)]
     config: Option<std::path::PathBuf>,
+    /// Check the command line, the configuration file and the environment, print what each
+    /// variable sets, and exit without connecting to anything: any AIP_ or OTEL_ variable the
+    /// binary does not read, or a setting that cannot work, is an error.
+    #[arg(long, global = true)]
+    check: bool,
+    /// What to do; without a command, serve until SIGINT/SIGTERM.
+    #[command(subcommand)]
+    command: Option<Command>,
 }
 
-/// A service binary's `main`: parses the command line (`--config`, `--version`, `--help`
-/// with `about`), then [`run`]s service `S`.
+/// What a service binary does besides serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Subcommand)]
+enum Command {
+    /// Apply the database migrations and exit (the registry and the session service; one
+    /// set of migrations for both). Deployments run it once before the services start; a
+    /// service also migrates at start, under a lock, so this is never required.
+    Migrate,
+    /// Ask this process's own listener (its `listen` setting) whether the service is ready
+    /// (`/readyz`), or with `--live` whether it answers at all (`/healthz`); exit 0 if so.
+    /// For container health checks in images without an HTTP client.
+    Probe {
+        /// Liveness (`/healthz`) instead of readiness.
+        #[arg(long)]
+        live: bool,
+    },
+}
+
+/// A service binary's `main`: parses the command line (`--config`, `--check`, `--version`,
+/// `--help` with `about`, the `migrate` and `probe` commands), then [`run`]s service `S` or
+/// does what the command says.
 pub async fn main<S: Service>(about: &'static str) -> anyhow::Result<()> {
     use clap::{CommandFactory, FromArgMatches};
-    let binary = <S::Settings as ServiceSettings>::SERVICE.binary();
-    let matches = Args::command().name(binary).about(about).get_matches();
-    let args = Args::from_arg_matches(&matches)?;
-    run::<S>(args.config.as_deref()).await
+    let service = <S::Settings as ServiceSettings>::SERVICE;
+    let binary = service.binary();
+    let keeps_database = S::Settings::default().common().database_url.is_some();
+    let mut command = Args::command().name(binary).about(about);
+    if !keeps_database {
+        command = command.mut_subcommand("migrate", |c| c.hide(true));
+    }
+    let args = Args::from_arg_matches(&command.get_matches())?;
+    let config = args.config.as_deref();
+    if args.command == Some(Command::Migrate) && !keeps_database {
+        anyhow::bail!(
+            "{binary} keeps no database; run `aip-registry migrate` or `aip-sessions migrate`"
+        );
+    }
+    if args.check {
+        return check::<S>(config);
+    }
+    match args.command {
+        None => run::<S>(config).await,
+        Some(Command::Migrate) => migrate::<S>(config).await,
+        Some(Command::Probe { live }) => probe::<S>(config, live).await,
+    }
+}
+
+/// `--check`: loads the settings from `config` and the environment as [`run`] would, checks
+/// them, and prints what every variable of the environment means to the binary. Fails on a
+/// variable it would ignore and on a setting that cannot work.
+pub fn check<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
+    let service = <S::Settings as ServiceSettings>::SERVICE;
+    let environment = crate::check::Environment::read::<S::Settings>(std::env::vars());
+    let unknown: Vec<String> = environment.unknown().map(ToString::to_string).collect();
+    if !unknown.is_empty() {
+        anyhow::bail!(
+            "{} does not read these variables:\n  {}",
+            service.binary(),
+            unknown.join("\n  ")
+        );
+    }
+    let settings: S::Settings = crate::settings::load(config).context("loading settings")?;
+    settings.validate().context("checking settings")?;
+    println!(
+        "{}: the command line, the configuration and the environment are valid",
+        service.binary()
+    );
+    for variable in &environment.variables {
+        println!("  {variable}");
+    }
+    Ok(())
+}
+
+/// Logs a warning for every `AIP_…` or `OTEL_…` variable the binary does not read.
+fn warn_about_unknown_variables<S: ServiceSettings>() {
+    let environment = crate::check::Environment::read::<S>(std::env::vars());
+    for variable in environment.unknown() {
+        tracing::warn!("{variable}");
+    }
+}
+
+/// `migrate`: opens the database of the settings (waiting for it as [`run`] does), applies
+/// every migration not yet applied, and returns.
+pub async fn migrate<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
+    crate::install_crypto_provider();
+    let service = <S::Settings as ServiceSettings>::SERVICE;
+    let settings: S::Settings = crate::settings::load(config).context("loading settings")?;
+    crate::telemetry::init(settings.common().log_format, "info");
+    warn_about_unknown_variables::<S::Settings>();
+    let Some(url) = settings.common().database_url else {
+        anyhow::bail!("the {service} keeps no database");
+    };
+    let database = connect_database(url, &settings.pool_options()).await?;
+    let result = database.migrate().await;
+    database.close().await;
+    result?;
+    tracing::info!(
+        database = %aip_store::mask_url(url),
+        "the database is migrated"
+    );
+    Ok(())
+}
+
+/// `probe`: one `GET` of `/readyz` (or `/healthz`) on the listener the settings name (a
+/// wildcard address is asked on loopback); `Ok` only for a 200.
+pub async fn probe<S: Service>(config: Option<&Path>, live: bool) -> anyhow::Result<()> {
+    let settings: S::Settings = crate::settings::load(config).context("loading settings")?;
+    let mut address = settings.exposure().listen;
+    if address.ip().is_unspecified() {
+        address.set_ip(match address {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let path = if live { "/healthz" } else { "/readyz" };
+    let status = tokio::time::timeout(PROBE_TIMEOUT, http_status(address, path))
+        .await
+        .with_context(|| format!("{path} on {address} did not answer within {PROBE_TIMEOUT:?}"))?
+        .with_context(|| format!("asking {path} on {address}"))?;
+    anyhow::ensure!(status == 200, "{path} on {address} answered {status}");
+    Ok(())
+}
+
+/// How long [`probe`] waits: less than a container health check's usual timeout.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The status code of `GET path` on `address` (HTTP/1.1, one request, connection closed).
+async fn http_status(address: std::net::SocketAddr, path: &str) -> anyhow::Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    let host = match address {
+        std::net::SocketAddr::V4(a) => a.ip().to_string(),
+        std::net::SocketAddr::V6(a) => format!("[{}]", a.ip()),
+    };
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+    let mut head = Vec::new();
+    let mut buffer = [0u8; 256];
+    while !head.windows(2).any(|w| w == b"\r\n") {
+        let n = stream.read(&mut buffer).await?;
+        anyhow::ensure!(n > 0, "the connection closed before a status line");
+        head.extend_from_slice(&buffer[..n]);
+    }
+    let line = String::from_utf8_lossy(&head);
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("not an HTTP status line: {:?}", line.lines().next()))
 }
 
 /// Runs service `S` as a process: settings from `config` (the `--config` file, or none) and
@@ -98,6 +248,7 @@ pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
     if telemetry.exporting() {
         tracing::info!("traces are exported over OTLP");
     }
+    warn_about_unknown_variables::<S::Settings>();
     settings.validate().context("checking settings")?;
 
     let bus = NatsBus::connect_with(common.nats_url, service.binary(), common.nats).await?;

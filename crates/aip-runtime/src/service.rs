@@ -226,6 +226,11 @@ pub trait ServiceSettings: Default + Serialize + DeserializeOwned + Send + 'stat
     /// What protects the service's listener (named in the refusal).
     const GUARD: Guard;
 
+    /// Environment variables the service reads besides its settings (`AIP_…`) and the ones
+    /// every binary reads: name, and what for. `--check` and the start-up warning about
+    /// unknown variables take them from here ([`crate::check`]).
+    const VARIABLES: &'static [(&'static str, &'static str)] = &[];
+
     /// The service's listener and whether it is protected.
     fn exposure(&self) -> Exposure;
 

@@ -157,6 +157,10 @@ impl Default for GatewaySettings {
 impl ServiceSettings for Settings {
     const SERVICE: ServiceName = ServiceName::Gateway;
     const GUARD: Guard = Guard::Credentials;
+    const VARIABLES: &'static [(&'static str, &'static str)] = &[(
+        "HOSTNAME",
+        "the start of the default gateway_id (a container's or pod's name)",
+    )];
 
     fn common(&self) -> Common<'_> {
         Common {
@@ -208,6 +212,12 @@ impl ServiceSettings for Settings {
                 ),
             ));
         }
+        // The credentials are read again when the gateway builds; reading them here makes
+        // `aip-gateway --check` refuse a file that would stop it at start.
+        if let Some(path) = &g.credentials_file {
+            crate::auth::Credentials::load(path)
+                .map_err(|e| StartError::invalid(ServiceName::Gateway, e.to_string()))?;
+        }
         if g.bytes_per_second != 0 && g.bytes_per_second < MIN_BYTES_PER_SECOND {
             return Err(StartError::invalid(
                 ServiceName::Gateway,
@@ -229,6 +239,14 @@ mod tests {
         let mut s = Settings::default();
         change(&mut s.gateway);
         s.validate().expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn a_credentials_file_that_cannot_be_read_is_refused_by_the_check() {
+        let err = refused(|g| {
+            g.credentials_file = Some(PathBuf::from("/nonexistent/aip-credentials.toml"));
+        });
+        assert!(err.contains("aip-credentials.toml"), "{err}");
     }
 
     #[test]

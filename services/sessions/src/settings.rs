@@ -261,6 +261,16 @@ const MIN_LEADER_LEASE_MS: u64 = 1_000;
 impl ServiceSettings for Settings {
     const SERVICE: ServiceName = ServiceName::Sessions;
     const GUARD: Guard = Guard::ApiKeys;
+    const VARIABLES: &'static [(&'static str, &'static str)] = &[
+        (
+            "OPENAI_API_KEY",
+            "the built-in agent's key unless sessions.llm.api_key is set",
+        ),
+        (
+            "OPENAI_BASE_URL",
+            "the built-in agent's endpoint unless sessions.llm.base_url is set",
+        ),
+    ];
 
     fn common(&self) -> Common<'_> {
         Common {
