@@ -74,22 +74,41 @@ async fn commit(machine: &mut Machine, writer: &mut Writer) -> Batch {
     pending.batch
 }
 
-async fn every_store_function(backend: Backend) {
+/// A migrated test database, its store, the leader's writer and an empty state machine.
+async fn leading(
+    backend: Backend,
+) -> (
+    TestDatabase,
+    aip_store::Database,
+    TaskStore,
+    Writer,
+    Machine,
+) {
     let db = test_database(backend).await.expect("a test database");
     let database = db.connect().await.expect("connects");
     database.migrate().await.expect("migrates");
     let store = TaskStore::new(database.clone());
-    let mut writer = lead(&store).await;
-    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+    let writer = lead(&store).await;
+    let machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+    (db, database, store, writer, machine)
+}
 
-    // Three tasks on two devices: a constellation's scripted task (runs), a REST task queued
-    // behind it, and a NATS driver task on another device; then the first is canceled.
-    let constellation = Requester::Client {
+/// The constellation `galaxy` on its connection.
+fn galaxy() -> Requester {
+    Requester::Client {
         id: "galaxy".to_owned(),
         client_type: ClientType::Constellation,
         connection: Some("galaxy-connection".to_owned()),
         extensions: Vec::new(),
-    };
+    }
+}
+
+async fn every_store_function(backend: Backend) {
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
+
+    // Three tasks on two devices: a constellation's scripted task (runs), a REST task queued
+    // behind it, and a NATS driver task on another device; then the first is canceled.
+    let constellation = galaxy();
     machine
         .submit(
             new_task("t1", "name-a", constellation, "d1", scripted(2)),
@@ -514,12 +533,7 @@ async fn a_standby_takes_over_from_a_leader_frozen_mid_transaction() {
 /// A client's NUL (which PostgreSQL's text and jsonb refuse) is stored as U+FFFD, so it cannot
 /// fail the group commit it shares with other clients' changes.
 async fn text_with_nul_is_stored(backend: Backend) {
-    let db = test_database(backend).await.expect("a test database");
-    let database = db.connect().await.expect("connects");
-    database.migrate().await.expect("migrates");
-    let store = TaskStore::new(database.clone());
-    let mut writer = lead(&store).await;
-    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
     let mut nul = new_task(
         "nul",
         "nul",
@@ -560,18 +574,8 @@ both_backends!(text_with_nul_is_stored);
 /// A large `task_end` is stored as a reference to its task (whose row holds the result), for
 /// the requester and the executor alike, and is built again, whole, when it must be re-sent.
 async fn a_large_task_end_is_stored_once(backend: Backend) {
-    let db = test_database(backend).await.expect("a test database");
-    let database = db.connect().await.expect("connects");
-    database.migrate().await.expect("migrates");
-    let store = TaskStore::new(database.clone());
-    let mut writer = lead(&store).await;
-    let mut machine = Machine::new(SessionSettings::default(), Subjects::default(), Vec::new());
-    let constellation = Requester::Client {
-        id: "galaxy".to_owned(),
-        client_type: ClientType::Constellation,
-        connection: Some("galaxy-connection".to_owned()),
-        extensions: Vec::new(),
-    };
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
+    let constellation = galaxy();
     machine
         .submit(
             new_task("big", "big", constellation, "d1", Plan::Driver),
@@ -629,5 +633,6 @@ async fn a_large_task_end_is_stored_once(backend: Backend) {
         "{subjects:?}"
     );
     assert!(subjects.iter().any(|s| s.ends_with(".d1")), "{subjects:?}");
+    db.cleanup().await;
 }
 both_backends!(a_large_task_end_is_stored_once);
