@@ -1,1 +1,0 @@
-["/work/target/release/aip", "bench", "tasks", "--devices", "1", "--clients", "1", "--count", "240000", "--commands", "1", "--url", "ws://127.0.0.1:55243/ws", "--rest", "http://127.0.0.1:55243", "--json", "--quiet", "--max-seconds", "8", "--verify-seconds", "60", "--server-pid", "15296"]
