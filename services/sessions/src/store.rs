@@ -350,28 +350,31 @@ const HISTORY_REF: &str = "$history";
 /// (written in the same group) holds already, becomes a [`HISTORY_REF`], so a 90 MiB
 /// screenshot is written once, not three times. [`TaskStore::events`] puts it back.
 fn stored_event_data(event: &NewEvent, task: Option<&Task>) -> Option<Value> {
-    let data = event.data.as_ref()?;
-    let shared = task.and_then(|task| match event.kind {
+    let (data, task) = (event.data.as_ref()?, task?);
+    let reference = match event.kind {
         EventKind::Ended(_) => match data.get("result") {
-            Some(Value::Array(items)) if *items == task.history => {
-                let mut stored = data.clone();
-                if let Some(fields) = stored.as_object_mut() {
-                    fields.remove("result");
-                    fields.insert(HISTORY_REF.to_owned(), Value::from("all"));
-                }
-                Some(stored)
-            }
-            _ => None,
+            Some(Value::Array(items)) if *items == task.history => Value::from("all"),
+            _ => return None,
         },
-        EventKind::ResultsReceived => task
-            .history
-            .iter()
-            .rposition(|entry| entry == data)
-            .map(|index| serde_json::json!({ HISTORY_REF: index })),
-        _ => None,
-    })?;
+        EventKind::ResultsReceived => Value::from(task.history.iter().rposition(|e| e == data)?),
+        _ => return None,
+    };
     // Only large data is worth a read of the task when the events are read.
-    (encoded_len(data) >= LARGE_VALUE_BYTES).then_some(shared)
+    if encoded_len(data) < LARGE_VALUE_BYTES {
+        return None;
+    }
+    let mut stored = serde_json::Map::new();
+    if let (EventKind::Ended(_), Some(fields)) = (event.kind, data.as_object()) {
+        // Every field but the result, which is not copied.
+        stored.extend(
+            fields
+                .iter()
+                .filter(|(key, _)| key.as_str() != "result")
+                .map(|(key, value)| (key.clone(), value.clone())),
+        );
+    }
+    stored.insert(HISTORY_REF.to_owned(), reference);
+    Some(Value::Object(stored))
 }
 
 /// How many bytes `value` takes as JSON, counted without writing them anywhere.
