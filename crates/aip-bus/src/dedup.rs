@@ -20,6 +20,11 @@ impl RecentIds {
         }
     }
 
+    /// Whether `id` is among the recent ones.
+    pub fn contains(&self, id: &str) -> bool {
+        self.set.contains(id)
+    }
+
     /// Records `id`; false if it is among the recent ones (a duplicate).
     pub fn first_time(&mut self, id: &str) -> bool {
         if self.set.contains(id) {

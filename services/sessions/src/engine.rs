@@ -37,6 +37,7 @@ pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFram
 use crate::planners::{PlanJob, Planned, Planners};
 use crate::settings::SessionSettings;
 use crate::store::{LeaseSpec, OutFrame, StoreError, TaskStore, Writer};
+use crate::targets::TargetCache;
 use crate::task::{Task, now_ms};
 
 /// Why a change could not be made. Transient errors are retried (a frame is redelivered);
@@ -262,6 +263,8 @@ pub struct Engine {
     /// This replica (unique per process): its lease holder id and the token of its
     /// delivery-acknowledgement subject.
     replica: Arc<str>,
+    /// The registry's records of recent explicit targets.
+    targets: Arc<std::sync::Mutex<TargetCache>>,
 }
 
 /// The receiving end of the applier's channel, for [`run_applier`].
@@ -305,6 +308,7 @@ impl Engine {
             unacknowledged: Arc::default(),
             acks_awaited: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
+            targets: Arc::default(),
         };
         (engine, Applier { ops: rx })
     }
@@ -828,14 +832,36 @@ impl Engine {
         ids.sort_unstable();
         ids.dedup();
         let mut found = HashMap::with_capacity(ids.len());
+        let asked = std::time::Instant::now();
+        if let Ok(cache) = self.targets.lock() {
+            ids.retain(|id| match cache.get(id, asked) {
+                Some(record) => {
+                    found.insert(id.clone(), record.clone());
+                    false
+                }
+                None => true,
+            });
+        }
         for chunk in ids.chunks(MAX_GET_MANY) {
             let agents = self
                 .patiently(|| self.registry.get_many(chunk))
                 .await
                 .map_err(RegistryError::into_error_body)?;
+            if let Ok(mut cache) = self.targets.lock() {
+                for agent in &agents {
+                    cache.put(agent, asked);
+                }
+            }
             found.extend(agents.into_iter().map(|a| (a.agent_id.clone(), a)));
         }
         Ok(found)
+    }
+
+    /// A connection of `agent_id` ended: its record is asked for again (`crate::targets`).
+    pub(crate) fn forget_target(&self, agent_id: &str) {
+        if let Ok(mut cache) = self.targets.lock() {
+            cache.forget(agent_id, std::time::Instant::now());
+        }
     }
 
     /// Finds the executor candidates: an explicit target must be an online device; otherwise
@@ -1030,21 +1056,7 @@ fn judge_target(
     target: &str,
     found: Result<Option<AgentRecord>, ErrorBody>,
 ) -> Result<Vec<AgentRecord>, ErrorBody> {
-    let constellation = matches!(
-        new.requester,
-        Requester::Client {
-            client_type: ClientType::Constellation,
-            ..
-        }
-    );
-    let not_connected = || {
-        let text = if constellation {
-            format!("Target device '{target}' is not connected")
-        } else {
-            format!("Device '{target}' is not connected")
-        };
-        ErrorBody::new(ErrorCode::DeviceNotFound, text)
-    };
+    let not_connected = || crate::machine::not_connected(new, target);
     match found? {
         None => Err(not_connected()),
         Some(agent) if agent.status == AgentStatus::Offline => Err(not_connected()),

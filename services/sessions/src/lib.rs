@@ -21,6 +21,7 @@ pub mod machine;
 pub mod planners;
 pub mod settings;
 pub mod store;
+pub mod targets;
 pub mod task;
 pub mod tombstones;
 pub mod watch;

@@ -14,6 +14,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use aip_bus::RecentIds;
 use proto_schemas::flow::{
     ClarificationResponse, HandoffNotification, TaskResponse, TaskResponseStatus,
 };
@@ -21,8 +22,8 @@ use proto_schemas::registry::AgentRecord;
 use proto_schemas::server::{self, CommandTarget};
 use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep, TaskState};
 use proto_schemas::{
-    ActionResult, ClientMessageType, Command, ErrorBody, ErrorCode, Extension, ResultStatus,
-    ServerMessage, Subjects, TaskStatus, V1,
+    ActionResult, ClientMessageType, ClientType, Command, ErrorBody, ErrorCode, Extension,
+    ResultStatus, ServerMessage, Subjects, TaskStatus, V1,
 };
 use serde_json::{Value, json};
 
@@ -35,6 +36,11 @@ use crate::task::{
 pub use crate::task::{Plan, Requester};
 use crate::tombstones::{Owner, Tombstones};
 
+/// Ended connections the leader remembers ([`Machine::choose`]): far more than end while a
+/// record of one can still be on its way (the registry hears of an end within milliseconds,
+/// and a kept record is dropped when the end is read). About 2 MiB.
+const CLOSED_CONNECTIONS_KEPT: usize = 16_384;
+
 /// Where a task should run.
 #[derive(Debug, Clone)]
 pub enum Placement {
@@ -42,6 +48,18 @@ pub enum Placement {
     Target(String),
     /// On an available agent with all these capabilities.
     Capabilities(Vec<String>),
+}
+
+/// The refusal of a task whose explicit target is not connected, in UFO's words.
+pub(crate) fn not_connected(new: &NewTask, target: &str) -> ErrorBody {
+    let text = match new.requester {
+        Requester::Client {
+            client_type: ClientType::Constellation,
+            ..
+        } => format!("Target device '{target}' is not connected"),
+        _ => format!("Device '{target}' is not connected"),
+    };
+    ErrorBody::new(ErrorCode::DeviceNotFound, text)
 }
 
 /// A task to start.
@@ -207,6 +225,10 @@ pub struct Machine {
     /// Requester id → its live tasks (for the per-requester quota).
     live_per_requester: HashMap<String, usize>,
     tombstones: Tombstones,
+    /// Connections whose end was applied: a task prepared with an older record of its
+    /// executor (`crate::targets`, or a registry that had not heard of the end yet) must not
+    /// start on one.
+    closed_connections: RecentIds,
     /// Remote planning asked for: task → when.
     planning: HashMap<String, i64>,
     pending: Pending,
@@ -225,6 +247,7 @@ impl Machine {
             executors: HashMap::new(),
             live_per_requester: HashMap::new(),
             tombstones: Tombstones::default(),
+            closed_connections: RecentIds::new(CLOSED_CONNECTIONS_KEPT),
             planning: HashMap::new(),
             pending: Pending::default(),
             dirty: Vec::new(),
@@ -651,6 +674,9 @@ impl Machine {
         };
         let mut best: Option<(i64, AgentRecord)> = None;
         for agent in candidates {
+            if self.closed_connections.contains(&agent.connection_id) {
+                continue;
+            }
             let l = load(&agent);
             if best.as_ref().is_none_or(|(b, _)| l < *b) {
                 best = Some((l, agent));
@@ -661,10 +687,7 @@ impl Machine {
                 ErrorCode::CapabilityMismatch,
                 format!("no available agent has the capabilities {c:?}"),
             ),
-            Placement::Target(t) => Refusal::now(
-                ErrorCode::DeviceNotFound,
-                format!("Device '{t}' is not connected"),
-            ),
+            Placement::Target(t) => Refusal::Now(not_connected(new, t)),
         })
     }
 
@@ -1196,6 +1219,7 @@ impl Machine {
     /// asked for are canceled. A newer connection of the same client keeps its tasks (the
     /// end of a connection can be announced after the client registered again).
     pub fn closed(&mut self, client_id: &str, connection_id: &str) {
+        self.closed_connections.first_time(connection_id);
         let Some(ids) = self.clients.get(client_id) else {
             return;
         };
@@ -2122,6 +2146,30 @@ mod tests {
             pending.batch.tasks[0].error.as_ref().map(|e| e.code),
             Some(ErrorCode::ConnectionFailed)
         );
+    }
+
+    #[test]
+    fn a_task_is_not_started_on_a_connection_that_ended() {
+        let mut m = machine();
+        // The end of the device's connection "c" was applied, and nothing of the device was
+        // live: it changed nothing to write.
+        m.closed("d", "c");
+        assert!(!m.has_changes());
+        // A task prepared with a record from before the end (a kept one, or a registry that had
+        // not heard of it yet) names that connection: it is refused as the registry would have.
+        let refused = m.submit(task("t", "d", 0, 1), None);
+        assert!(
+            matches!(&refused, Err(Refusal::Now(body))
+                if body.error_code == ErrorCode::DeviceNotFound
+                    && body.detail == "Device 'd' is not connected"),
+            "{refused:?}"
+        );
+        assert!(m.tasks.is_empty());
+        // The device's next connection takes tasks.
+        let mut again = task("t", "d", 0, 1);
+        again.candidates[0].connection_id = "c2".to_owned();
+        let started = m.submit(again, None).expect("on the new connection");
+        assert_eq!(started.executor.connection.as_deref(), Some("c2"));
     }
 
     #[test]

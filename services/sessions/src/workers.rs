@@ -226,6 +226,12 @@ async fn prepare_chunk(
     }))
     .await;
     let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
+    // As soon as an end is read: the chunks prepared after this one ask the registry again.
+    for (_, _, event) in &events {
+        if let GatewayEvent::Closed(closed) = event {
+            engine.forget_target(&closed.client_id);
+        }
+    }
     let spans: Vec<tracing::Span> = events
         .iter()
         .map(|(delivery, _, event)| {
