@@ -536,6 +536,17 @@ impl Stack {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     }
+
+    /// Waits until the registry no longer lists `id` among the online clients.
+    pub async fn wait_offline(&self, id: &str) {
+        let url = format!("{}/api/clients", self.registry_url());
+        eventually(&format!("{id} offline"), || async {
+            let (_, body) = get_json(&url).await;
+            (!body["online_clients"].as_array()?.iter().any(|c| c == id)).then_some(())
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 #[cfg(test)]

@@ -125,6 +125,84 @@ async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
 }
 both_backends!(constellation_drives_a_device_on_another_gateway);
 
+/// The session service keeps the registry's record of a task's target for a moment
+/// (`targets.rs`): a device that left and came back on a new connection gets the next task on
+/// it, and once it left for good a task for it is refused at once, not sent to a dead
+/// connection.
+async fn a_device_that_reconnects_gets_the_next_task_and_one_that_left_is_refused(
+    backend: Backend,
+) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            gateways: 2,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let mut galaxy = None;
+    let mut device = Client::registered(&stack.ws_url(1), device_register("pc-1", "linux")).await;
+    stack.wait_online("pc-1").await;
+    for (round, gateway) in [(1, 0), (2, 1)] {
+        let galaxy = match &mut galaxy {
+            Some(galaxy) => galaxy,
+            None => galaxy.insert(
+                Client::registered(
+                    &stack.ws_url(0),
+                    constellation_register("demo@pc-1", Some("pc-1")),
+                )
+                .await,
+            ),
+        };
+        let session = format!("demo@round-{round}");
+        galaxy
+            .send(&constellation_task(
+                "demo@pc-1",
+                "pc-1",
+                &session,
+                "demo_task",
+                Some(one_step("echo", json!({ "n": 1 }))),
+            ))
+            .await
+            .expect("send task");
+        let command = device.recv_type("command").await.expect("command");
+        assert_eq!(command["session_id"], session.as_str());
+        device
+            .send(&command_results_for("pc-1", &command))
+            .await
+            .expect("results");
+        let end = galaxy.recv_type("task_end").await.expect("task_end");
+        assert_eq!(end["status"], "completed", "round {round}: {end}");
+        // The device leaves and comes back at once, on a new connection elsewhere.
+        device.close().await;
+        stack.wait_offline("pc-1").await;
+        device = Client::registered(&stack.ws_url(gateway), device_register("pc-1", "linux")).await;
+        stack.wait_online("pc-1").await;
+    }
+    // Gone for good: the next task is refused at once.
+    device.close().await;
+    stack.wait_offline("pc-1").await;
+    let galaxy = galaxy.as_mut().expect("galaxy");
+    galaxy
+        .send(&constellation_task(
+            "demo@pc-1",
+            "pc-1",
+            "demo@round-3",
+            "demo_task",
+            Some(one_step("echo", json!({ "n": 1 }))),
+        ))
+        .await
+        .expect("send task");
+    let answer = galaxy.recv().await.expect("answer");
+    assert_eq!(
+        answer["error"], "Target device 'pc-1' is not connected",
+        "{answer}"
+    );
+    stack.stop().await;
+}
+both_backends!(a_device_that_reconnects_gets_the_next_task_and_one_that_left_is_refused);
+
 fn urlencode(s: &str) -> String {
     s.bytes()
         .map(|b| {
