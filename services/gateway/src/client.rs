@@ -91,6 +91,8 @@ pub(crate) struct Client {
     pub(crate) recent_deliveries: RecentIds,
     /// The traces of the commands written, so their results join them.
     pub(crate) command_traces: crate::traces::CommandTraces,
+    /// The connection's place under the connection limit.
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// What registration sets up for the registered phase.
@@ -103,13 +105,19 @@ pub(crate) struct Registration {
 }
 
 /// Serves one upgraded WebSocket until it ends.
-pub async fn serve(
+///
+/// Not an `async fn`: the future an open connection holds for its whole life would keep room
+/// for the arguments beside the client built from them (the socket alone is 368 bytes). Here
+/// the client is built first, and the future owns only it. `slot` is the connection's place
+/// under the gateway's connection limit, given back when the client is dropped.
+pub fn serve(
     socket: axum::extract::ws::WebSocket,
     state: Arc<AppState>,
     principal: Principal,
-) {
+    slot: tokio::sync::OwnedSemaphorePermit,
+) -> impl std::future::Future<Output = ()> + Send {
     let settings = &state.settings.gateway;
-    let mut client = Client {
+    let client = Client {
         connection: Connection::new(
             socket,
             settings.outbound_queue,
@@ -124,18 +132,25 @@ pub async fn serve(
         recent_deliveries: RecentIds::new(RECENT_DELIVERY_IDS),
         command_traces: Default::default(),
         state,
+        _slot: slot,
     };
-    metrics::counter!("aip_gateway_connections_total").increment(1);
-    let open = metrics::gauge!("aip_gateway_connections");
-    open.increment(1.0);
-    let end = client.run().await;
-    open.decrement(1.0);
-    // Runs once per connection: boxed, so that the future each open connection holds does not
-    // reserve room for it (memory per idle connection).
-    Box::pin(client.finish(end)).await;
+    client.serve()
 }
 
 impl Client {
+    /// The connection from its first frame to its end.
+    async fn serve(mut self) {
+        metrics::counter!("aip_gateway_connections_total").increment(1);
+        let open = metrics::gauge!("aip_gateway_connections");
+        open.increment(1.0);
+        // Boxed: awaited in place, its 1.2 KiB were held twice by this future.
+        let end = Box::pin(self.run()).await;
+        open.decrement(1.0);
+        // Runs once per connection: boxed, so that the future each open connection holds does
+        // not reserve room for it (memory per idle connection).
+        Box::pin(self.finish(end)).await;
+    }
+
     async fn run(&mut self) -> End {
         let (first, bytes) = match self.await_register().await {
             Ok(first) => first,
@@ -216,10 +231,14 @@ impl Client {
         let liveness_timeout = Duration::from_millis(settings.liveness_timeout_ms);
         let ping_every = Duration::from_millis(settings.ping_interval_ms)
             .min(liveness_timeout / PINGS_PER_LIVENESS_WINDOW);
-        let mut ping = tokio::time::interval(ping_every);
-        ping.tick().await;
-        let mut check = tokio::time::interval(liveness_timeout / LIVENESS_CHECKS_PER_WINDOW);
-        check.tick().await;
+        // One timer for both (each timer is an allocation an idle connection holds): it ticks
+        // at the shorter period and checks liveness every tick; it pings at a tick when the
+        // next tick would be later than the ping period, so pings are never further apart
+        // than configured (with the defaults, every tick is a ping).
+        let tick_every = ping_every.min(liveness_timeout / LIVENESS_CHECKS_PER_WINDOW);
+        let mut tick = tokio::time::interval(tick_every);
+        tick.tick().await;
+        let mut last_ping = Instant::now();
         let mut last_activity = Instant::now();
         let shutdown = self.state.shutdown.clone();
         loop {
@@ -244,9 +263,16 @@ impl Client {
                         Err(End::DeliveriesEnded)
                     }
                 },
-                _ = ping.tick() => self.connection.ping().map_err(End::from),
-                _ = check.tick() => {
-                    if self.connection.reading_paused() {
+                _ = tick.tick() => {
+                    let pinged = if last_ping.elapsed() + tick_every > ping_every {
+                        last_ping = Instant::now();
+                        self.connection.ping()
+                    } else {
+                        Ok(())
+                    };
+                    if let Err(e) = pinged {
+                        Err(End::from(e))
+                    } else if self.connection.reading_paused() {
                         // Over its byte rate: the client sent, the gateway is not reading.
                         last_activity = Instant::now();
                         liveness.touch();

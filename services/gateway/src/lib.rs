@@ -358,9 +358,6 @@ async fn websocket(
         .read_buffer_size(READ_BUFFER_BYTES)
         .write_buffer_size(WRITE_BUFFER_BYTES)
         .on_upgrade(move |socket| {
-            tracker.track_future(async move {
-                connection::serve(socket, state, principal).await;
-                drop(permit);
-            })
+            tracker.track_future(connection::serve(socket, state, principal, permit))
         })
 }
