@@ -30,8 +30,9 @@ pub const MAX_KEPT: usize = 16_384;
 /// What is known of one device.
 #[derive(Debug)]
 enum Slot {
-    /// The registry's record and when it was asked for.
-    Known(AgentRecord, Instant),
+    /// The registry's record (boxed: most slots are forgotten devices) and when it was asked
+    /// for.
+    Known(Box<AgentRecord>, Instant),
     /// A connection of this device ended at this time: answers asked for before it are stale.
     Forgotten(Instant),
 }
@@ -70,8 +71,10 @@ impl TargetCache {
         };
         if newer {
             self.make_room(asked);
-            self.slots
-                .insert(record.agent_id.clone(), Slot::Known(record.clone(), asked));
+            self.slots.insert(
+                record.agent_id.clone(),
+                Slot::Known(Box::new(record.clone()), asked),
+            );
         }
     }
 
@@ -113,9 +116,12 @@ mod tests {
         let mut cache = TargetCache::default();
         let t0 = Instant::now();
         cache.put(&device("d1", "c1"), t0);
-        assert_eq!(cache.get("d1", t0).unwrap().connection_id, "c1");
+        assert_eq!(cache.get("d1", t0).expect("kept").connection_id, "c1");
         assert_eq!(
-            cache.get("d1", t0 + FRESH_FOR / 2).unwrap().connection_id,
+            cache
+                .get("d1", t0 + FRESH_FOR / 2)
+                .expect("still fresh")
+                .connection_id,
             "c1"
         );
         assert!(
@@ -139,7 +145,7 @@ mod tests {
         // A lookup begun after it is kept.
         let later = closed + Duration::from_millis(1);
         cache.put(&device("d1", "c2"), later);
-        assert_eq!(cache.get("d1", later).unwrap().connection_id, "c2");
+        assert_eq!(cache.get("d1", later).expect("kept").connection_id, "c2");
     }
 
     #[test]
