@@ -191,6 +191,16 @@ pub struct Options {
     pub principals: Option<String>,
 }
 
+impl Options {
+    /// The defaults, with `gateways` gateways side by side.
+    pub fn with_gateways(gateways: usize) -> Self {
+        Options {
+            gateways,
+            ..Options::default()
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {

@@ -56,15 +56,9 @@ fn asking_planner(
 
 async fn rounds_by_frame_rest_and_nats_and_strangers_are_refused(backend: Backend) {
     // The device and the constellation on two gateways.
-    let stack = Stack::start(
-        backend,
-        Options {
-            gateways: 2,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = Stack::start(backend, Options::with_gateways(2))
+        .await
+        .expect("stack");
     let mut requests = asking_planner(&stack, &["Which file?", "Which folder?", "Which name?"]);
     let _dev = Client::registered(&stack.ws_url(1), device_register("q-pc", "linux")).await;
     stack.wait_online("q-pc").await;

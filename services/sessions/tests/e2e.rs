@@ -12,15 +12,9 @@ use aip_testkit::{
 use serde_json::json;
 
 async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            gateways: 2,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = Stack::start(backend, Options::with_gateways(2))
+        .await
+        .expect("stack");
     let mut device = Client::registered(&stack.ws_url(1), device_register("pc-1", "linux")).await;
     stack.wait_online("pc-1").await;
     let mut galaxy = Client::registered(
@@ -132,15 +126,9 @@ both_backends!(constellation_drives_a_device_on_another_gateway);
 async fn a_device_that_reconnects_gets_the_next_task_and_one_that_left_is_refused(
     backend: Backend,
 ) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            gateways: 2,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = Stack::start(backend, Options::with_gateways(2))
+        .await
+        .expect("stack");
     let mut galaxy = None;
     let mut device = Client::registered(&stack.ws_url(1), device_register("pc-1", "linux")).await;
     stack.wait_online("pc-1").await;
@@ -336,15 +324,9 @@ async fn rest_dispatch_by_capability_and_ufo_dispatch(backend: Backend) {
 both_backends!(rest_dispatch_by_capability_and_ufo_dispatch);
 
 async fn frames_larger_than_a_bus_message_travel_both_ways(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            gateways: 2,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = Stack::start(backend, Options::with_gateways(2))
+        .await
+        .expect("stack");
     let mut device =
         Client::registered(&stack.ws_url(1), device_register("cam-1", "windows")).await;
     stack.wait_online("cam-1").await;
