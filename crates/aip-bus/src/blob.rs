@@ -7,6 +7,7 @@
 //! the same way, so the path is exercised in both modes.
 
 use bytes::Bytes;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::{Bus, BusError, Headers, Message};
@@ -27,6 +28,9 @@ const ENVELOPE_BYTES: usize = 1024 * 1024;
 /// to make it reserve more (a claim of many GiB aborts the process when the allocation
 /// fails).
 pub const MAX_BLOB_BYTES: usize = proto_schemas::MAX_FRAME_BYTES + ENVELOPE_BYTES;
+
+/// Chunks of one blob being read at once.
+const CHUNKS_READ_AHEAD: usize = 8;
 
 /// Smallest chunk a blob is stored in (but its last): the bound on how many chunks a
 /// reference of a given size may list.
@@ -124,12 +128,14 @@ impl BlobStore {
     }
 
     /// The stream to create at start-up: chunks kept one hour, at most `max_bytes` in all
-    /// (-1: no cap; see [`crate::NatsSettings::nats_blobs_max_bytes`]).
+    /// (-1: no cap; see [`crate::NatsSettings::nats_blobs_max_bytes`]), read back by direct
+    /// gets.
     pub fn stream_spec(&self, max_bytes: i64) -> crate::StreamSpec {
         let mut spec =
             crate::StreamSpec::new(self.stream.clone(), vec![format!("{}.>", self.subject)]);
         spec.max_age = std::time::Duration::from_secs(3600);
         spec.max_bytes = max_bytes;
+        spec.allow_direct = true;
         spec
     }
 
@@ -149,8 +155,22 @@ impl BlobStore {
         headers: &mut Headers,
         payload: Bytes,
     ) -> Result<Bytes, BusError> {
+        match self.put(bus, payload.clone()).await? {
+            None => Ok(payload),
+            Some(reference) => {
+                headers.insert(BLOB_HEADER, reference);
+                Ok(Bytes::new())
+            }
+        }
+    }
+
+    /// Stores `payload` as a blob ahead of its publish when it is too large for one message:
+    /// the reference to give [`BlobStore::publish_stored`], or `None` when it fits in one.
+    /// (The session service stores a large frame while the group that sends it commits, and
+    /// publishes it after.) A blob nothing refers to expires with the stream's age limit.
+    pub async fn put(&self, bus: &dyn Bus, payload: Bytes) -> Result<Option<String>, BusError> {
         if !Self::needed(bus, &payload) {
-            return Ok(payload);
+            return Ok(None);
         }
         let subject = format!("{}.{}", self.subject, uuid::Uuid::new_v4().simple());
         let blob = bus
@@ -160,8 +180,19 @@ impl BlobStore {
             what: "a large body's blob reference",
             source,
         })?;
-        headers.insert(BLOB_HEADER, reference);
-        Ok(Bytes::new())
+        Ok(Some(reference))
+    }
+
+    /// Publishes a message whose body [`BlobStore::put`] stored.
+    pub async fn publish_stored(
+        &self,
+        bus: &dyn Bus,
+        subject: String,
+        headers: Headers,
+        reference: String,
+    ) -> Result<(), BusError> {
+        bus.publish(subject, headers.with(BLOB_HEADER, reference), Bytes::new())
+            .await
     }
 
     /// Publishes, storing the body as a blob if it is too large for one message.
@@ -210,8 +241,19 @@ impl BlobStore {
         let mut body = bytes::BytesMut::with_capacity(blob.size);
         let mut blob_subject: Option<String> = None;
         let ours = format!("{}.", self.subject);
-        for sequence in &blob.sequences {
-            let chunk = bus.get_blob_chunk(blob.stream.clone(), *sequence).await?;
+        // Chunks are asked for several at a time, and joined in order.
+        let mut asked = blob.sequences.iter();
+        let mut chunks = futures::stream::FuturesOrdered::new();
+        loop {
+            while chunks.len() < CHUNKS_READ_AHEAD
+                && let Some(sequence) = asked.next()
+            {
+                chunks.push_back(bus.get_blob_chunk(blob.stream.clone(), *sequence));
+            }
+            let Some(chunk) = chunks.next().await else {
+                break;
+            };
+            let chunk = chunk?;
             let same_blob = match &blob_subject {
                 Some(first) => *first == chunk.subject,
                 None => chunk.subject.starts_with(&ours),

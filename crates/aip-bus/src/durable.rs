@@ -26,10 +26,14 @@ pub struct StreamSpec {
     pub max_bytes: i64,
     /// Window in which a repeated `Nats-Msg-Id` is dropped as a duplicate.
     pub duplicate_window: Duration,
+    /// Whether messages may be read by sequence with a direct get (raw bytes, answered by
+    /// any replica) rather than only through the stream API (base64 in JSON, by the leader).
+    pub allow_direct: bool,
 }
 
 impl StreamSpec {
-    /// A stream with a one-day age limit, no size cap and a two-minute de-duplication window.
+    /// A stream with a one-day age limit, no size cap, a two-minute de-duplication window and
+    /// no direct gets.
     pub fn new(name: impl Into<String>, subjects: Vec<String>) -> Self {
         StreamSpec {
             name: name.into(),
@@ -37,6 +41,7 @@ impl StreamSpec {
             max_age: Duration::from_secs(24 * 3600),
             max_bytes: -1,
             duplicate_window: Duration::from_secs(120),
+            allow_direct: false,
         }
     }
 }

@@ -143,6 +143,9 @@ fn stream_error(
 
 /// Whether the stream refused to store a message (full: `maximum bytes exceeded`, or out of
 /// storage), by the server's error code.
+/// Blob chunks published and not yet acknowledged by the stream, at most.
+const BLOB_CHUNKS_IN_FLIGHT: usize = 16;
+
 fn store_refused(error: &jetstream::context::PublishError) -> bool {
     std::error::Error::source(error)
         .and_then(|source| source.downcast_ref::<jetstream::Error>())
@@ -288,6 +291,7 @@ impl Bus for NatsBus {
                 duplicate_window: spec.duplicate_window.min(spec.max_age),
                 storage: jetstream::stream::StorageType::File,
                 discard: jetstream::stream::DiscardPolicy::New,
+                allow_direct: spec.allow_direct,
                 ..Default::default()
             };
             let mut stream = self
@@ -315,13 +319,15 @@ impl Bus for NatsBus {
             let limits_differ = existing.max_bytes != config.max_bytes
                 || existing.max_age != config.max_age
                 || existing.discard != config.discard
-                || existing.duplicate_window != config.duplicate_window;
+                || existing.duplicate_window != config.duplicate_window
+                || existing.allow_direct != config.allow_direct;
             if limits_differ {
                 let updated = jetstream::stream::Config {
                     max_bytes: config.max_bytes,
                     max_age: config.max_age,
                     discard: config.discard,
                     duplicate_window: config.duplicate_window,
+                    allow_direct: config.allow_direct,
                     ..existing
                 };
                 self.jetstream
@@ -485,31 +491,53 @@ impl Bus for NatsBus {
         chunk: usize,
     ) -> BoxFuture<'_, Result<BlobRef, BusError>> {
         async move {
+            let wrap = |e: Box<dyn std::error::Error + Send + Sync>| BusError::Nats {
+                operation: "store blob chunk",
+                subject: subject.clone(),
+                source: e,
+            };
+            // Chunks are published back to back and their acknowledgements awaited
+            // [`BLOB_CHUNKS_IN_FLIGHT`] behind, so a large body costs one round trip rather
+            // than one per chunk. One connection keeps them in order, so the stream numbers
+            // them in order too (checked below).
+            let mut pending = std::collections::VecDeque::new();
             let mut sequences = Vec::new();
-            for piece in body.chunks(chunk.max(1)) {
-                let wrap = |e: Box<dyn std::error::Error + Send + Sync>| BusError::Nats {
-                    operation: "store blob chunk",
-                    subject: subject.clone(),
-                    source: e,
+            let mut pieces = body.chunks(chunk.max(1));
+            loop {
+                let piece = if pending.len() < BLOB_CHUNKS_IN_FLIGHT {
+                    pieces.next()
+                } else {
+                    None
                 };
-                let ack = self
-                    .jetstream
-                    .publish(subject.clone(), body.slice_ref(piece))
-                    .await
-                    .map_err(|e| wrap(Box::new(e)))?
-                    .await
-                    .map_err(|e| {
-                        if store_refused(&e) {
-                            BusError::StreamFull {
-                                subject: subject.clone(),
-                            }
-                        } else {
-                            wrap(Box::new(e))
+                if let Some(piece) = piece {
+                    let ack = self
+                        .jetstream
+                        .publish(subject.clone(), body.slice_ref(piece))
+                        .await
+                        .map_err(|e| wrap(Box::new(e)))?;
+                    pending.push_back(ack);
+                    continue;
+                }
+                let Some(ack) = pending.pop_front() else {
+                    break;
+                };
+                let ack = ack.await.map_err(|e| {
+                    if store_refused(&e) {
+                        BusError::StreamFull {
+                            subject: subject.clone(),
                         }
-                    })?;
+                    } else {
+                        wrap(Box::new(e))
+                    }
+                })?;
                 if ack.stream != stream {
                     return Err(wrap(
                         format!("chunk stored in stream {} instead of {stream}", ack.stream).into(),
+                    ));
+                }
+                if sequences.last().is_some_and(|last| *last >= ack.sequence) {
+                    return Err(wrap(
+                        format!("chunk stored out of order (sequence {})", ack.sequence).into(),
                     ));
                 }
                 sequences.push(ack.sequence);
@@ -534,14 +562,25 @@ impl Bus for NatsBus {
                 subject: stream.clone(),
                 source: e,
             };
-            let message = self
+            let handle = self
                 .jetstream
                 .get_stream_no_info(&stream)
                 .await
-                .map_err(|e| wrap(Box::new(e)))?
-                .get_raw_message(sequence)
-                .await
                 .map_err(|e| wrap(Box::new(e)))?;
+            // A direct get answers with the chunk's bytes as they are; the stream API's
+            // answer is JSON with the bytes in base64 (a third larger, encoded by the server
+            // and decoded here). A stream made before direct gets were allowed, or a replica
+            // that has not caught up, is asked through the stream API instead.
+            let message = match handle.direct_get(sequence).await {
+                Ok(message) => message,
+                Err(direct) => {
+                    tracing::debug!(%stream, sequence, "direct get failed, asking the stream leader: {direct}");
+                    handle
+                        .get_raw_message(sequence)
+                        .await
+                        .map_err(|e| wrap(Box::new(e)))?
+                }
+            };
             Ok(BlobChunk {
                 subject: message.subject.to_string(),
                 data: message.payload,

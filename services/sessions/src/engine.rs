@@ -16,6 +16,8 @@
 //! over within `standby_retry_ms` once the leader's connection is gone.
 
 use std::collections::HashMap;
+
+use futures::FutureExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -1010,6 +1012,54 @@ impl Engine {
     /// a publish that succeeds has only reached the client library's buffer, which a NATS
     /// restart loses. The outbox sweeper sends it again until then.
     pub(crate) async fn publish_frames(&self, frames: Vec<OutFrame>) {
+        self.publish_frames_stored(frames, StoredBodies::new())
+            .await;
+    }
+
+    /// Stores the bodies of a group's frames too large for one bus message in the blob
+    /// stream, while the group commits: each body once (a task's `task_end` to its requester
+    /// and to its executor is one body). A failure leaves the frame to be stored as it is
+    /// published.
+    fn store_large_frames(
+        &self,
+        frames: &[OutFrame],
+    ) -> Option<tokio::task::JoinHandle<StoredBodies>> {
+        let large: Vec<(String, bytes::Bytes)> = frames
+            .iter()
+            .filter(|f| aip_bus::BlobStore::needed(self.bus.as_ref(), &f.payload))
+            .map(|f| (f.msg_id.clone(), f.payload.clone()))
+            .collect();
+        if large.is_empty() {
+            return None;
+        }
+        let engine = self.clone();
+        Some(tokio::spawn(async move {
+            let mut stored = StoredBodies::new();
+            let mut by_body: HashMap<(usize, usize), String> = HashMap::new();
+            for (msg_id, payload) in large {
+                // Frames sharing one encoding share its bytes: the same address and length.
+                let key = (payload.as_ptr() as usize, payload.len());
+                if let Some(reference) = by_body.get(&key) {
+                    stored.insert(msg_id, reference.clone());
+                    continue;
+                }
+                match engine.blobs.put(engine.bus.as_ref(), payload).await {
+                    Ok(Some(reference)) => {
+                        by_body.insert(key, reference.clone());
+                        stored.insert(msg_id, reference);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!("a large frame was not stored ahead of its publish: {e}")
+                    }
+                }
+            }
+            stored
+        }))
+    }
+
+    /// Publishes frames; those in `stored` by reference to their body, stored beforehand.
+    async fn publish_frames_stored(&self, frames: Vec<OutFrame>, mut stored: StoredBodies) {
         let ack_subject = self.ack_subject();
         for frame in frames {
             let span = aip_bus::trace::continuing(
@@ -1018,12 +1068,23 @@ impl Engine {
                 &frame.subject,
                 frame.trace,
             );
-            let publish = self.blobs.publish(
-                self.bus.as_ref(),
-                frame.subject.clone(),
-                delivery_headers(&frame.msg_id, &ack_subject, frame.connection.as_deref()),
-                frame.payload.into(),
-            );
+            let headers =
+                delivery_headers(&frame.msg_id, &ack_subject, frame.connection.as_deref());
+            let publish = match stored.remove(&frame.msg_id) {
+                Some(reference) => self
+                    .blobs
+                    .publish_stored(self.bus.as_ref(), frame.subject.clone(), headers, reference)
+                    .boxed(),
+                None => self
+                    .blobs
+                    .publish(
+                        self.bus.as_ref(),
+                        frame.subject.clone(),
+                        headers,
+                        frame.payload.into(),
+                    )
+                    .boxed(),
+            };
             match publish.instrument(span).await {
                 Ok(()) => {
                     if let Ok(mut unacknowledged) = self.unacknowledged.lock() {
@@ -1189,7 +1250,7 @@ pub async fn run_applier(
         duration: Duration::from_millis(engine.settings.leader_lease_ms),
     };
     let retry = Duration::from_millis(engine.settings.standby_retry_ms.max(MIN_STANDBY_RETRY_MS));
-    let (frames_tx, frames_rx) = mpsc::channel::<Vec<OutFrame>>(PUBLISH_QUEUE_BATCHES);
+    let (frames_tx, frames_rx) = mpsc::channel::<Committed>(PUBLISH_QUEUE_BATCHES);
     let (plans_tx, plans_rx) =
         mpsc::channel(engine.settings.max_in_flight.max(MIN_IN_FLIGHT) * PLAN_QUEUE_FACTOR);
     let publisher = tokio::spawn(run_publisher(engine.clone(), frames_rx));
@@ -1272,7 +1333,7 @@ const PLAN_QUEUE_FACTOR: usize = 4;
 
 /// Where a committed group's work goes.
 struct Outputs {
-    frames: mpsc::Sender<Vec<OutFrame>>,
+    frames: mpsc::Sender<Committed>,
     plans: mpsc::Sender<PlanJob>,
 }
 
@@ -1428,6 +1489,7 @@ impl Leader<'_> {
         let mut channel_closed = false;
         let max_batch = self.engine.settings.max_batch;
         let commit_span = aip_bus::trace::linked_span("group commit", &pending.links);
+        let stored = self.engine.store_large_frames(&pending.batch.outbox);
         let written = {
             let write = self.writer.write(&pending.batch).instrument(commit_span);
             tokio::pin!(write);
@@ -1458,6 +1520,9 @@ impl Leader<'_> {
         metrics::histogram!("aip_sessions_group_commit_changes")
             .record((pending.batch.tasks.len() + pending.batch.events.len()) as f64);
         if let Err(e) = written {
+            if let Some(stored) = stored {
+                stored.abort();
+            }
             metrics::counter!("aip_sessions_group_commit_failures_total").increment(1);
             tracing::error!(
                 "a batch of changes could not be written, giving up the leadership: {e}"
@@ -1478,7 +1543,13 @@ impl Leader<'_> {
             waiter.succeed();
         }
         let frames = std::mem::take(&mut pending.batch.outbox);
-        if !frames.is_empty() && outputs.frames.send(frames).await.is_err() {
+        if !frames.is_empty()
+            && outputs
+                .frames
+                .send(Committed { frames, stored })
+                .await
+                .is_err()
+        {
             return Ok(GroupEnd::ChannelClosed);
         }
         for plan in pending.plans.drain(..) {
@@ -1599,10 +1670,24 @@ fn apply_op(core: &mut Machine, (op, span): Traced, waiters: &mut Vec<Waiter>) {
     }
 }
 
+/// The frames of a committed group, and the bodies of its large ones, stored in the blob
+/// stream while the group was written.
+struct Committed {
+    frames: Vec<OutFrame>,
+    stored: Option<tokio::task::JoinHandle<StoredBodies>>,
+}
+
+/// Blob references of frames stored ahead of their publish, by message id.
+type StoredBodies = HashMap<String, String>;
+
 /// Publishes the frames of committed batches, in commit order.
-async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Vec<OutFrame>>) {
-    while let Some(frames) = batches.recv().await {
-        engine.publish_frames(frames).await;
+async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Committed>) {
+    while let Some(Committed { frames, stored }) = batches.recv().await {
+        let stored = match stored {
+            Some(handle) => handle.await.unwrap_or_default(),
+            None => StoredBodies::new(),
+        };
+        engine.publish_frames_stored(frames, stored).await;
     }
 }
 

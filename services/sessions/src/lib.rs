@@ -14,6 +14,7 @@
 //! gateway that wrote it to the client's socket acknowledges it ([`workers`] sends again what
 //! nobody acknowledged, from a NATS restart or a crash).
 
+pub mod apart;
 pub mod callbacks;
 pub mod engine;
 pub mod http;

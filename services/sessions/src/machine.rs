@@ -1167,8 +1167,15 @@ impl Machine {
             }
             task.enter(TaskState::Working)?;
             core.applied(Some(msg_id));
-            let results = frame.action_results.clone().unwrap_or_default();
-            let entry = json!({ "step": task.step, "response_id": answered, "status": frame.status, "results": results });
+            // Converted once, straight from the frame, and moved into the entry: `json!` and
+            // a clone would each copy a large result (a screenshot) once more.
+            let results = serde_json::to_value(frame.action_results.as_deref().unwrap_or_default())
+                .unwrap_or_else(|_| Value::Array(Vec::new()));
+            let mut entry =
+                json!({ "step": task.step, "response_id": answered, "status": frame.status });
+            if let Some(fields) = entry.as_object_mut() {
+                fields.insert("results".to_owned(), results);
+            }
             task.history.push(entry.clone());
             task.step += 1;
             task.waiting = if task.plan == Plan::Driver {

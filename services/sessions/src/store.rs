@@ -18,6 +18,7 @@ use proto_schemas::{ClientType, Command, ErrorCode, Extension, Platform};
 use serde_json::Value;
 use sqlx::types::Json;
 
+use crate::apart;
 use crate::task::{
     EventKind, ExecutorRef, Plan, PlannerKind, Question, Requester, RequesterKind, Task, TaskError,
     Waiting,
@@ -751,20 +752,21 @@ impl TryFrom<TaskRecord> for Task {
     }
 }
 
-fn decode_all(records: Vec<TaskRecord>) -> Result<Vec<Task>, StoreError> {
-    records.into_iter().map(Task::try_from).collect()
-}
-
-/// The cells of a task, in [`COLUMNS`] order.
-fn cells(task: &Task) -> Result<Vec<Cell>, StoreError> {
+/// The cells of a task, in [`COLUMNS`] order; `history`, when given, is the text of its
+/// `history` column (with results kept apart, [`crate::apart`]).
+fn cells(task: &Task, history: Option<String>) -> Result<Vec<Cell>, StoreError> {
+    let mut history = history;
     COLUMNS
         .iter()
-        .map(|c| {
-            (c.cell)(task).map_err(|source| StoreError::Encode {
-                task_id: task.task_id.clone(),
-                source,
-            })
-        })
+        .map(
+            |c| match (c.name, history.take_if(|_| c.name == "history")) {
+                (_, Some(text)) => Ok(Cell::Text(Some(text))),
+                _ => (c.cell)(task).map_err(|source| StoreError::Encode {
+                    task_id: task.task_id.clone(),
+                    source,
+                }),
+            },
+        )
         .collect()
 }
 
@@ -1055,9 +1057,17 @@ pub enum Writer {
     Pg {
         conn: sqlx::PgConnection,
         term: Box<Term>,
+        apart: Box<Apart>,
     },
     /// SQLite (one process owns an embedded database).
     Lite(sqlx::SqliteConnection),
+}
+
+/// What the leader keeps apart from the group commit: large results ([`crate::apart`]),
+/// written on pooled connections before the group.
+pub struct Apart {
+    pool: sqlx::PgPool,
+    written: apart::Written,
 }
 
 /// Writes a batch on SQLite with multi-row statements of a few fixed sizes.
@@ -1065,7 +1075,7 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
     let rows = batch
         .tasks
         .iter()
-        .map(cells)
+        .map(|task| cells(task, None))
         .collect::<Result<Vec<_>, _>>()?;
     let mut tx = sqlx::Connection::begin(conn).await?;
     for chunk in sized_chunks(&rows) {
@@ -1178,13 +1188,28 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
 async fn write_pg(
     conn: &mut sqlx::PgConnection,
     term: &mut Term,
+    apart: &mut Apart,
     batch: &Batch,
 ) -> Result<(), StoreError> {
-    let rows = batch
-        .tasks
-        .iter()
-        .map(cells)
-        .collect::<Result<Vec<_>, _>>()?;
+    let encoding = std::time::Instant::now();
+    let mut rows = Vec::with_capacity(batch.tasks.len());
+    let mut bodies = Vec::new();
+    for task in &batch.tasks {
+        let (history, mut kept_apart) = apart::stored_history(task, term.term, &apart.written)?;
+        rows.push(cells(task, Some(history))?);
+        bodies.append(&mut kept_apart);
+    }
+    if !bodies.is_empty() {
+        let started = std::time::Instant::now();
+        apart::write(&apart.pool, &bodies).await?;
+        tracing::debug!(
+            bodies = bodies.len(),
+            bytes = bodies.iter().map(|b| b.json.len()).sum::<usize>(),
+            encode_us = started.duration_since(encoding).as_micros() as u64,
+            write_us = started.elapsed().as_micros() as u64,
+            "large results written apart"
+        );
+    }
     let started = std::time::Instant::now();
     let mut q = sqlx::query_scalar::<_, i64>(PG_WRITE_GROUP.as_str())
         .bind(&term.spec.name)
@@ -1197,10 +1222,10 @@ async fn write_pg(
             Kind::Text | Kind::Json => q.bind(
                 values
                     .map(|c| match c {
-                        Cell::Text(v) => v.clone(),
+                        Cell::Text(v) => v.as_deref(),
                         _ => None,
                     })
-                    .collect::<Vec<Option<String>>>(),
+                    .collect::<Vec<Option<&str>>>(),
             ),
             Kind::Int4 => q.bind(
                 values
@@ -1299,6 +1324,7 @@ async fn write_pg(
         return Err(term.lost());
     }
     term.renewed = started;
+    apart.written.committed(bodies, &batch.tasks);
     if bytes > LARGE_GROUP_BYTES {
         // The connection's buffers grew to this statement's size and would keep it.
         sqlx::Connection::shrink_buffers(conn);
@@ -1317,7 +1343,7 @@ impl Writer {
             return Ok(());
         }
         match self {
-            Writer::Pg { conn, term } => write_pg(conn, term, batch).await,
+            Writer::Pg { conn, term, apart } => write_pg(conn, term, apart, batch).await,
             Writer::Lite(conn) => write_sqlite(conn, batch).await,
         }
     }
@@ -1326,7 +1352,7 @@ impl Writer {
     /// nothing to write still holds it). Fails when another replica took it over.
     pub async fn renew_if_due(&mut self) -> Result<(), StoreError> {
         match self {
-            Writer::Pg { conn, term } if term.renewed.elapsed() >= term.spec.duration / 3 => {
+            Writer::Pg { conn, term, .. } if term.renewed.elapsed() >= term.spec.duration / 3 => {
                 term.renew(conn).await
             }
             Writer::Pg { .. } | Writer::Lite(_) => Ok(()),
@@ -1336,7 +1362,7 @@ impl Writer {
     /// Gives the lease up at once (a graceful stop): a standby need not wait for it to run
     /// out. Best effort; an error leaves the lease to run out.
     pub async fn resign(&mut self) {
-        if let Writer::Pg { conn, term } = self {
+        if let Writer::Pg { conn, term, .. } = self {
             let resigned = sqlx::query(
                 "UPDATE session_leader SET expires_ms = 0 \
                  WHERE name = $1 AND holder = $2 AND term = $3",
@@ -1358,11 +1384,18 @@ impl Writer {
     /// this version cannot read is logged and left alone, so that it cannot keep every
     /// replica from leading.
     pub async fn load_live(&mut self) -> Result<Vec<Task>, StoreError> {
-        let conn = match self {
-            Writer::Pg { conn, .. } => Conn::Postgres(conn),
-            Writer::Lite(conn) => Conn::Sqlite(conn),
+        let (conn, mut apart) = match self {
+            Writer::Pg { conn, apart, .. } => (Conn::Postgres(conn), Some(apart)),
+            Writer::Lite(conn) => (Conn::Sqlite(conn), None),
         };
-        let records: Vec<TaskRecord> = conn.query(&LIVE_TASKS).fetch_all().await?;
+        let mut records: Vec<TaskRecord> = conn.query(&LIVE_TASKS).fetch_all().await?;
+        if let Some(apart) = apart.as_mut() {
+            for record in &mut records {
+                let found =
+                    apart::restore(&apart.pool, &record.task_id, &mut record.history.0).await?;
+                apart.written.found(&record.task_id, found);
+            }
+        }
         Ok(records
             .into_iter()
             .filter_map(|r| match Task::try_from(r) {
@@ -1455,6 +1488,10 @@ impl TaskStore {
                             term,
                             renewed: started,
                         }),
+                        apart: Box::new(Apart {
+                            pool: pool.clone(),
+                            written: apart::Written::default(),
+                        }),
                     }),
                     None => {
                         *spare = Some(conn);
@@ -1474,7 +1511,9 @@ impl TaskStore {
             .bind(task_id.to_owned())
             .fetch_optional()
             .await?;
-        record.map(Task::try_from).transpose()
+        self.decode(record.into_iter().collect())
+            .await
+            .map(|mut t| t.pop())
     }
 
     /// The newest task with a name.
@@ -1485,7 +1524,9 @@ impl TaskStore {
             .bind(task_name.to_owned())
             .fetch_optional()
             .await?;
-        record.map(Task::try_from).transpose()
+        self.decode(record.into_iter().collect())
+            .await
+            .map(|mut t| t.pop())
     }
 
     /// Tasks, newest first, after a cursor (`created_ms:task_id` of the last row seen).
@@ -1508,7 +1549,17 @@ impl TaskStore {
             .bind(filter.limit)
             .fetch_all()
             .await?;
-        decode_all(records)
+        self.decode(records).await
+    }
+
+    /// Tasks from their rows, with the results kept apart put back.
+    async fn decode(&self, mut records: Vec<TaskRecord>) -> Result<Vec<Task>, StoreError> {
+        if let Database::Postgres(pool) = &self.db {
+            for record in &mut records {
+                apart::restore(pool, &record.task_id, &mut record.history.0).await?;
+            }
+        }
+        records.into_iter().map(Task::try_from).collect()
     }
 
     /// A task's events after a sequence number, at most `limit`.

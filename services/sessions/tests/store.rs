@@ -636,3 +636,191 @@ async fn a_large_task_end_is_stored_once(backend: Backend) {
     db.cleanup().await;
 }
 both_backends!(a_large_task_end_is_stored_once);
+
+/// A device's `command_results` frame on its connection, answering `response_id`.
+fn results_frame(
+    session: &str,
+    response_id: &str,
+    result: serde_json::Value,
+) -> proto_schemas::sessions::InboundFrame {
+    let frame = json!({
+        "type": "command_results", "status": "continue", "client_type": "device",
+        "client_id": "d1", "session_id": session, "prev_response_id": response_id,
+        "action_results": [{ "status": "success", "result": result }],
+    });
+    serde_json::from_value(json!({
+        "version": 1, "gateway_id": "gw", "connection_id": "d1-connection", "client_id": "d1",
+        "client_type": "device", "platform": "linux", "received_at": "2026-11-26T00:00:00Z",
+        "frame": frame,
+    }))
+    .expect("an inbound frame")
+}
+
+/// The response id a live task waits for.
+async fn awaited(store: &TaskStore, task_id: &str) -> String {
+    let task = store.get(task_id).await.expect("get").expect("stored");
+    task.waiting
+        .response_id()
+        .expect("waiting for results")
+        .to_owned()
+}
+
+/// Results over 1 MiB are written apart from their task's row on PostgreSQL (the row holds a
+/// marker), and every read puts them back whole: the task, its result, its events, and a new
+/// leader's live tasks. On SQLite they stay in the row; the reads are the same.
+async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
+    machine
+        .submit(new_task("shot", "shot", galaxy(), "d1", scripted(2)), None)
+        .expect("starts");
+    commit(&mut machine, &mut writer).await;
+    // 1.5 MiB that no shortcut could fake: every line numbered.
+    let screenshot: String = (0..48_000).map(|i| format!("{i:031}\n")).collect();
+    let first = awaited(&store, "shot").await;
+    machine
+        .frame(
+            &results_frame("shot", &first, json!({ "png": screenshot })),
+            "m1",
+            None,
+            None,
+        )
+        .expect("results applied");
+    commit(&mut machine, &mut writer).await;
+
+    let postgres = matches!(backend, Backend::NatsPostgres);
+    let row_sizes = aip_store::Sql::same(
+        "SELECT CAST(LENGTH(CAST(history AS TEXT)) AS BIGINT) FROM tasks WHERE task_id = 'shot'",
+    );
+    let (row_bytes,): (i64,) = database
+        .query(&row_sizes)
+        .fetch_one()
+        .await
+        .expect("row size");
+    if postgres {
+        assert!(
+            row_bytes < 4096,
+            "the row's history holds {row_bytes} bytes"
+        );
+        let (parts,): (i64,) = database
+            .query(&aip_store::Sql::same(
+                "SELECT COUNT(*) FROM task_results WHERE task_id = 'shot'",
+            ))
+            .fetch_one()
+            .await
+            .expect("parts");
+        assert_eq!(parts, 1);
+    } else {
+        assert!(row_bytes > screenshot.len() as i64, "{row_bytes}");
+    }
+
+    // A new leader's live tasks hold the results whole (and the writer remembers where they
+    // are, so the next group does not write them again).
+    let live = writer.load_live().await.expect("live tasks");
+    let shot = live.iter().find(|t| t.task_id == "shot").expect("live");
+    assert_eq!(
+        shot.history[0]["results"][0]["result"]["png"].as_str(),
+        Some(screenshot.as_str())
+    );
+
+    let second = awaited(&store, "shot").await;
+    machine
+        .frame(
+            &results_frame("shot", &second, json!({ "ok": true })),
+            "m2",
+            None,
+            None,
+        )
+        .expect("results applied");
+    commit(&mut machine, &mut writer).await;
+
+    let done = store.get("shot").await.expect("get").expect("stored");
+    assert_eq!(done.state(), TaskState::Completed);
+    assert_eq!(done.history.len(), 2);
+    assert_eq!(
+        done.history[0]["results"][0]["result"]["png"].as_str(),
+        Some(screenshot.as_str())
+    );
+    assert_eq!(
+        done.history[1]["results"][0]["result"],
+        json!({ "ok": true })
+    );
+    assert_eq!(
+        done.result,
+        Some(serde_json::Value::Array(done.history.clone()))
+    );
+    let by_name = store
+        .get_by_name("shot")
+        .await
+        .expect("get by name")
+        .expect("stored");
+    assert_eq!(by_name.history, done.history);
+    let listed = store
+        .list(ListFilter {
+            limit: 10,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("list");
+    let listed = listed.iter().find(|t| t.task_id == "shot").expect("listed");
+    assert_eq!(listed.history, done.history);
+    let events = store.events("shot", 0, 100).await.expect("events");
+    let received = events
+        .iter()
+        .find(|e| e.kind == "results_received")
+        .expect("results event");
+    assert_eq!(
+        received.data.as_ref().map(|d| &d["results"]),
+        Some(&done.history[0]["results"])
+    );
+    if postgres {
+        let (parts,): (i64,) = database
+            .query(&aip_store::Sql::same(
+                "SELECT COUNT(*) FROM task_results WHERE task_id = 'shot'",
+            ))
+            .fetch_one()
+            .await
+            .expect("parts");
+        assert_eq!(parts, 1, "written once, whatever the groups after");
+    }
+    db.cleanup().await;
+}
+both_backends!(large_results_are_kept_apart_and_read_back_whole);
+
+/// A part missing from under a marker is a clear error on read, not a task with a hole.
+async fn a_missing_part_of_kept_apart_results_is_reported(backend: Backend) {
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
+    machine
+        .submit(new_task("lost", "lost", galaxy(), "d1", scripted(2)), None)
+        .expect("starts");
+    commit(&mut machine, &mut writer).await;
+    let first = awaited(&store, "lost").await;
+    let screenshot = "Q".repeat(1536 * 1024);
+    machine
+        .frame(
+            &results_frame("lost", &first, json!({ "png": screenshot })),
+            "m1",
+            None,
+            None,
+        )
+        .expect("results applied");
+    commit(&mut machine, &mut writer).await;
+    database
+        .query(&aip_store::Sql::same("DELETE FROM task_results"))
+        .execute()
+        .await
+        .expect("parts deleted");
+    match store.get("lost").await {
+        Err(StoreError::Corrupt {
+            task_id, column, ..
+        }) => {
+            assert_eq!((task_id.as_str(), column), ("lost", "task_results.body"));
+        }
+        other => panic!("expected a corrupt-row error, got {other:?}"),
+    }
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_missing_part_of_kept_apart_results_is_reported_postgres() {
+    a_missing_part_of_kept_apart_results_is_reported(Backend::NatsPostgres).await;
+}
