@@ -109,9 +109,13 @@ async def one_run(device_url, galaxy_url, mib, run, timeout):
     })
     del payload
     started = time.monotonic()
+    started_wall = time.time()
     await device.send(results)
+    sent = time.monotonic() - started
     end = await recv_type(galaxy, "task_end", timeout)
     elapsed = time.monotonic() - started
+    print(f"  started at {time.strftime('%H:%M:%S', time.gmtime(started_wall))}"
+          f".{int(started_wall % 1 * 1e6):06d} UTC; sent in {sent:.3f} s", file=sys.stderr)
     got = len(end["result"][0]["results"][0]["result"]["png_base64"])
     del end, results
     ok = got == mib * MIB

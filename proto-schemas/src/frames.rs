@@ -264,6 +264,19 @@ pub struct ActionResult {
     pub call_id: Option<String>,
 }
 
+impl ActionResult {
+    /// As JSON, moving its `result` rather than copying it (a tool's output can be a
+    /// screenshot of tens of MiB).
+    pub fn into_value(mut self) -> Value {
+        let result = self.result.take();
+        let mut value = serde_json::to_value(&self).unwrap_or(Value::Null);
+        if let (Some(fields), Some(result)) = (value.as_object_mut(), result) {
+            fields.insert("result".to_owned(), result);
+        }
+        value
+    }
+}
+
 /// A tool a device offers: UFO's `MCPToolInfo`, the items of a `list_tools` result and of
 /// REGISTER `metadata.tools`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, utoipa::ToSchema)]

@@ -299,7 +299,16 @@ impl Client {
             Ok(None) => Err(End::ClientClosed),
             Ok(Some(Inbound::Frame { frame, bytes })) => {
                 let _in_flight = self.admit_inbound(bytes).await?;
-                handlers::dispatch(self, frame).await
+                let started = std::time::Instant::now();
+                let handled = handlers::dispatch(self, frame).await;
+                if bytes >= LARGE_FRAME_BYTES {
+                    tracing::debug!(
+                        bytes,
+                        handle_us = started.elapsed().as_micros() as u64,
+                        "large frame handled"
+                    );
+                }
+                handled
             }
             Ok(Some(Inbound::Binary)) => Ok(self.connection.write(&server::error(
                 ErrorCode::ProtocolError,
@@ -348,3 +357,6 @@ impl Client {
         self.connection.finish(await_answer).await;
     }
 }
+
+/// Frames from this size on are logged (at DEBUG) with the time they took to handle.
+pub(crate) const LARGE_FRAME_BYTES: usize = 1 << 20;

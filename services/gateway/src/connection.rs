@@ -153,10 +153,18 @@ impl Connection {
                 .increment(1);
         }
         Ok(match message {
-            Message::Text(text) => Some(Inbound::Frame {
-                frame: parse_client_frame(text.as_bytes()).map(Box::new),
-                bytes,
-            }),
+            Message::Text(text) => {
+                let started = std::time::Instant::now();
+                let frame = parse_client_frame(text.as_bytes()).map(Box::new);
+                if bytes >= crate::client::LARGE_FRAME_BYTES {
+                    tracing::debug!(
+                        bytes,
+                        parse_us = started.elapsed().as_micros() as u64,
+                        "large frame read"
+                    );
+                }
+                Some(Inbound::Frame { frame, bytes })
+            }
             Message::Binary(_) => Some(Inbound::Binary),
             Message::Close(_) => None,
             Message::Ping(_) | Message::Pong(_) => Some(Inbound::Control),

@@ -5,7 +5,7 @@
 //! seconds: the value went through the statement's arrays, `UNNEST` and a `json` cast. Now a
 //! history entry whose results are larger than [`APART_BYTES`] is written before the group,
 //! as raw bytes in `task_results`, in parts of [`PART_BYTES`] on pooled connections side by
-//! side, each committed on its own. The group then writes the entry with a [`Marker`] in
+//! side ([`PARTS_AT_ONCE`] at a time), each committed on its own. The group then writes the entry with a [`Marker`] in
 //! place of its results, so the task's row never holds a part that is not committed, and the
 //! readers put the results back. Nothing is acknowledged before both are committed: the
 //! frame that brought the results is acknowledged after the group.
@@ -20,6 +20,7 @@ use std::collections::HashMap;
 
 use aip_store::text::json_text;
 use serde::{Deserialize, Serialize};
+use futures::StreamExt;
 use serde_json::Value;
 
 use crate::store::StoreError;
@@ -29,10 +30,10 @@ use crate::task::Task;
 pub const APART_BYTES: usize = 1 << 20;
 
 /// The size of the parts a kept-apart value is written in.
-pub const PART_BYTES: usize = 16 << 20;
+pub const PART_BYTES: usize = 8 << 20;
 
 /// Parts written at once (each on a pooled connection of its own).
-const PARTS_AT_ONCE: usize = 4;
+const PARTS_AT_ONCE: usize = 6;
 
 /// The key of the object that stands for a history entry's results in the stored row.
 /// (`results` is otherwise an array, so an object with this key is never a device's.)
@@ -131,15 +132,16 @@ pub fn stored_history(
         let marker = match written.get(&task.task_id, index) {
             Some(marker) => marker,
             None => {
-                // Most entries are small: encoded once, and kept in the row.
-                let text = json_text(entry).map_err(encode)?;
-                let Some((results, _)) = split_results(entry).filter(|_| text.len() > APART_BYTES)
-                else {
-                    entries.push(text);
+                let Some((results, _)) = split_results(entry) else {
+                    entries.push(json_text(entry).map_err(encode)?);
                     continue;
                 };
-                drop(text);
+                // The results are encoded first: a large entry is then encoded once.
                 let json = json_text(results).map_err(encode)?;
+                if json.len() <= APART_BYTES {
+                    entries.push(json_text(entry).map_err(encode)?);
+                    continue;
+                }
                 let marker = Marker {
                     term,
                     parts: i32::try_from(json.len().div_ceil(PART_BYTES)).unwrap_or(i32::MAX),
@@ -193,21 +195,38 @@ pub async fn write(pool: &sqlx::PgPool, bodies: &[Body]) -> Result<(), StoreErro
                 .map(move |(i, part)| (body, i as i32, part))
         })
         .collect();
-    for batch in parts.chunks(PARTS_AT_ONCE) {
-        let writes = batch.iter().map(|(body, part, bytes)| async move {
-            let mut conn = pool.acquire().await?;
-            sqlx::query(WRITE_PART)
-                .bind(&body.task_id)
-                .bind(body.entry)
-                .bind(body.marker.term)
-                .bind(*part)
-                .bind(*bytes)
-                .execute(&mut *conn)
-                .await?;
-            Ok::<_, StoreError>(())
-        });
-        futures::future::try_join_all(writes).await?;
+    let mut parts = parts.into_iter();
+    // A window of parts in flight: as one is committed, the next starts.
+    let mut writing = futures::stream::FuturesUnordered::new();
+    loop {
+        while writing.len() < PARTS_AT_ONCE
+            && let Some((body, part, bytes)) = parts.next()
+        {
+            writing.push(write_part(pool, body, part, bytes));
+        }
+        match writing.next().await {
+            Some(written) => written?,
+            None => return Ok(()),
+        }
     }
+}
+
+/// Writes one part, committed on its own.
+async fn write_part(
+    pool: &sqlx::PgPool,
+    body: &Body,
+    part: i32,
+    bytes: &[u8],
+) -> Result<(), StoreError> {
+    let mut conn = pool.acquire().await?;
+    sqlx::query(WRITE_PART)
+        .bind(&body.task_id)
+        .bind(body.entry)
+        .bind(body.marker.term)
+        .bind(part)
+        .bind(bytes)
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 

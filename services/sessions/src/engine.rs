@@ -1592,13 +1592,13 @@ fn apply_op(core: &mut Machine, (op, span): Traced, waiters: &mut Vec<Waiter>) {
     core.link(&span);
     match op {
         Op::Frame {
-            inbound,
+            mut inbound,
             msg_id,
             task,
             handoff,
             reply,
         } => {
-            let result = core.frame(&inbound, &msg_id, task.map(|t| *t), handoff);
+            let result = core.frame(&mut inbound, &msg_id, task.map(|t| *t), handoff);
             waiters.push(Waiter::Unit(reply, result));
         }
         Op::Closed {

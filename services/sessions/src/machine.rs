@@ -999,7 +999,7 @@ impl Machine {
     /// Applies a client frame the session service handles.
     pub fn frame(
         &mut self,
-        inbound: &InboundFrame,
+        inbound: &mut InboundFrame,
         msg_id: &str,
         task: Option<TaskFrame>,
         handoff_candidates: Option<Result<Vec<AgentRecord>, ErrorBody>>,
@@ -1147,12 +1147,12 @@ impl Machine {
         Ok(())
     }
 
-    fn results(&mut self, inbound: &InboundFrame, msg_id: &str) -> Result<(), Refusal> {
-        let frame = &inbound.frame;
-        let session = frame.session_id.clone().unwrap_or_default();
+    fn results(&mut self, inbound: &mut InboundFrame, msg_id: &str) -> Result<(), Refusal> {
+        let session = inbound.frame.session_id.clone().unwrap_or_default();
+        let answered = inbound.frame.prev_response_id.clone();
         self.with_task(&session, |core, task| {
             Self::check_executor(task, inbound)?;
-            let answered = frame.prev_response_id.as_deref();
+            let answered = answered.as_deref();
             let awaited = task.waiting.response_id();
             if awaited.is_none() || awaited != answered {
                 let body = ErrorBody::new(
@@ -1167,12 +1167,20 @@ impl Machine {
             }
             task.enter(TaskState::Working)?;
             core.applied(Some(msg_id));
-            // Converted once, straight from the frame, and moved into the entry: `json!` and
-            // a clone would each copy a large result (a screenshot) once more.
-            let results = serde_json::to_value(frame.action_results.as_deref().unwrap_or_default())
-                .unwrap_or_else(|_| Value::Array(Vec::new()));
+            // Moved from the frame into the entry: a large result (a screenshot) is not
+            // copied on the way.
+            let results = Value::Array(
+                inbound
+                    .frame
+                    .action_results
+                    .take()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(ActionResult::into_value)
+                    .collect(),
+            );
             let mut entry =
-                json!({ "step": task.step, "response_id": answered, "status": frame.status });
+                json!({ "step": task.step, "response_id": answered, "status": inbound.frame.status });
             if let Some(fields) = entry.as_object_mut() {
                 fields.insert("results".to_owned(), results);
             }
@@ -1868,25 +1876,26 @@ impl Machine {
             .increment(1);
         metrics::histogram!("aip_sessions_task_duration_seconds")
             .record((now_ms() - task.created_ms).max(0) as f64 / 1000.0);
-        task.result = result.clone();
         task.waiting = Waiting::Nothing;
         task.updated_ms = now_ms();
         if error.is_some() {
             task.error = error;
         }
-        let data = json!({
-            "result": result,
+        // The result is copied once, into the event; `json!` would copy it again.
+        let mut data = json!({
             "error": task.error.as_ref().map(|e| &e.detail),
             "error_code": task.error.as_ref().map(|e| e.code.as_str()),
         });
+        if let Some(fields) = data.as_object_mut() {
+            fields.insert("result".to_owned(), result.clone().unwrap_or(Value::Null));
+        }
+        task.result = result;
         self.event(task, EventKind::Ended(state), Some(data));
         self.planning.remove(&task.task_id);
 
-        drop(result);
         let response_id = server::new_id();
-        let frame = task.task_end(&response_id);
         // Encoded once for both: a result can be tens of MiB.
-        let payload = match serde_json::to_vec(&frame) {
+        let payload = match task.encode_task_end(&response_id) {
             Ok(payload) => Some(bytes::Bytes::from(payload)),
             Err(e) => {
                 tracing::error!(task = %task.task_id, "the task_end frame could not be encoded and is not sent: {e}");

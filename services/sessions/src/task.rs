@@ -378,18 +378,36 @@ impl Task {
     /// The `task_end` frame of this ended task, with `response_id` (the requester and the
     /// executor get the same one).
     pub fn task_end(&self, response_id: &str) -> proto_schemas::ServerMessage {
-        let status = if self.state == TaskState::Completed {
-            proto_schemas::TaskStatus::Completed
-        } else {
-            proto_schemas::TaskStatus::Failed
-        };
         proto_schemas::server::task_end(
             &self.task_id,
-            status,
+            self.task_end_status(),
             self.result.clone(),
             self.error.as_ref().map(|e| e.detail.clone()),
             response_id,
         )
+    }
+
+    /// [`Task::task_end`], encoded without copying the result (it is lent to the frame).
+    pub fn encode_task_end(&mut self, response_id: &str) -> Result<Vec<u8>, serde_json::Error> {
+        let result = self.result.take();
+        let mut frame = proto_schemas::server::task_end(
+            &self.task_id,
+            self.task_end_status(),
+            result,
+            self.error.as_ref().map(|e| e.detail.clone()),
+            response_id,
+        );
+        let encoded = serde_json::to_vec(&frame);
+        self.result = frame.result.take();
+        encoded
+    }
+
+    fn task_end_status(&self) -> proto_schemas::TaskStatus {
+        if self.state == TaskState::Completed {
+            proto_schemas::TaskStatus::Completed
+        } else {
+            proto_schemas::TaskStatus::Failed
+        }
     }
 
     /// Where it stands.

@@ -167,15 +167,22 @@ async fn run_consumer(
         for (delivery, msg_id, event, task, handoff, span) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
-                GatewayEvent::Frame(inbound) => {
+                GatewayEvent::Frame(mut inbound) => {
+                    // What a refusal needs is kept; the frame itself goes to the applier, not
+                    // copied (its results can be a 90 MiB screenshot).
+                    let action_results = inbound.frame.action_results.take();
+                    let result = inbound.frame.result.take();
+                    let kept = inbound.clone();
+                    inbound.frame.action_results = action_results;
+                    inbound.frame.result = result;
                     let op = Op::Frame {
-                        inbound: Box::new(inbound.clone()),
+                        inbound: Box::new(inbound),
                         msg_id: msg_id.clone(),
                         task: task.map(Box::new),
                         handoff,
                         reply,
                     };
-                    (op, Some(inbound))
+                    (op, Some(kept))
                 }
                 GatewayEvent::Closed(closed) => (
                     Op::Closed {
@@ -355,6 +362,9 @@ async fn settle(
     engine.frames.acked();
 }
 
+/// Events from this size on are logged (at DEBUG) with the time they took to read.
+const LARGE_EVENT_BYTES: usize = 1 << 20;
+
 /// How soon a frame handed back is delivered again.
 const REDELIVERY_DELAY: Duration = Duration::from_millis(500);
 
@@ -375,6 +385,7 @@ async fn read_event(
         .get(names::MSG_ID)
         .map(str::to_owned)
         .unwrap_or_else(|| format!("{}:{}", delivery.message.subject, uuid::Uuid::new_v4()));
+    let started = std::time::Instant::now();
     let payload = match engine
         .blobs()
         .payload_of(engine.bus().as_ref(), &delivery.message)
@@ -396,7 +407,17 @@ async fn read_event(
             return None;
         }
     };
-    match serde_json::from_slice(&payload) {
+    let read = started.elapsed();
+    let event = serde_json::from_slice(&payload);
+    if payload.len() >= LARGE_EVENT_BYTES {
+        tracing::debug!(
+            bytes = payload.len(),
+            read_us = read.as_micros() as u64,
+            decode_us = (started.elapsed() - read).as_micros() as u64,
+            "large frame read"
+        );
+    }
+    match event {
         Ok(event) => Some((delivery, msg_id, event)),
         Err(e) => {
             tracing::error!(subject = %delivery.message.subject, "unreadable event in the frames stream, dropped: {e}");

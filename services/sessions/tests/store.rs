@@ -679,7 +679,7 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
     let first = awaited(&store, "shot").await;
     machine
         .frame(
-            &results_frame("shot", &first, json!({ "png": screenshot })),
+            &mut results_frame("shot", &first, json!({ "png": screenshot })),
             "m1",
             None,
             None,
@@ -725,7 +725,7 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
     let second = awaited(&store, "shot").await;
     machine
         .frame(
-            &results_frame("shot", &second, json!({ "ok": true })),
+            &mut results_frame("shot", &second, json!({ "ok": true })),
             "m2",
             None,
             None,
@@ -797,7 +797,7 @@ async fn a_missing_part_of_kept_apart_results_is_reported(backend: Backend) {
     let screenshot = "Q".repeat(1536 * 1024);
     machine
         .frame(
-            &results_frame("lost", &first, json!({ "png": screenshot })),
+            &mut results_frame("lost", &first, json!({ "png": screenshot })),
             "m1",
             None,
             None,

@@ -49,6 +49,7 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         acknowledge(client, &message).await;
         return Ok(());
     }
+    let started = std::time::Instant::now();
     let payload = match client
         .state
         .blobs
@@ -64,7 +65,15 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
             ))?);
         }
     };
-    match String::from_utf8(payload.to_vec()) {
+    if payload.len() >= crate::client::LARGE_FRAME_BYTES {
+        tracing::debug!(
+            bytes = payload.len(),
+            read_us = started.elapsed().as_micros() as u64,
+            "large delivery read back"
+        );
+    }
+    // Without a copy: the body read back is held only here.
+    match String::from_utf8(Vec::from(payload)) {
         Ok(text) => {
             metrics::counter!("aip_gateway_deliveries_total", "outcome" => "written").increment(1);
             let traced = aip_bus::trace::extract(&message.headers)
