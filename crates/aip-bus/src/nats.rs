@@ -19,6 +19,9 @@ use crate::{Bus, BusError, Headers, Message, Subscription};
 pub struct NatsBus {
     client: async_nats::Client,
     jetstream: jetstream::Context,
+    /// Whether blob chunks are read by direct get; cleared for good when one fails for
+    /// another reason than a missing message (the user may not send direct gets, say).
+    direct_gets: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl NatsBus {
@@ -110,7 +113,11 @@ impl NatsBus {
                 }
             })?;
         let jetstream = jetstream::new(client.clone());
-        Ok(NatsBus { client, jetstream })
+        Ok(NatsBus {
+            client,
+            jetstream,
+            direct_gets: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        })
     }
 
     /// The underlying client, for JetStream.
@@ -571,15 +578,37 @@ impl Bus for NatsBus {
             // answer is JSON with the bytes in base64 (a third larger, encoded by the server
             // and decoded here). A stream made before direct gets were allowed, or a replica
             // that has not caught up, is asked through the stream API instead.
-            let message = match handle.direct_get(sequence).await {
-                Ok(message) => message,
-                Err(direct) => {
-                    tracing::debug!(%stream, sequence, "direct get failed, asking the stream leader: {direct}");
-                    handle
-                        .get_raw_message(sequence)
-                        .await
-                        .map_err(|e| wrap(Box::new(e)))?
+            let direct = if self.direct_gets.load(std::sync::atomic::Ordering::Relaxed) {
+                match handle.direct_get(sequence).await {
+                    Ok(message) => Some(message),
+                    Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
+                        tracing::debug!(%stream, sequence, "direct get found nothing, asking the stream leader");
+                        None
+                    }
+                    Err(e) => {
+                        if self
+                            .direct_gets
+                            .swap(false, std::sync::atomic::Ordering::Relaxed)
+                        {
+                            tracing::warn!(
+                                %stream,
+                                "direct gets of blob chunks fail ({e}): reading them through the \
+                                 stream API from now on (allow $JS.API.DIRECT.GET.{stream} to \
+                                 this NATS user)"
+                            );
+                        }
+                        None
+                    }
                 }
+            } else {
+                None
+            };
+            let message = match direct {
+                Some(message) => message,
+                None => handle
+                    .get_raw_message(sequence)
+                    .await
+                    .map_err(|e| wrap(Box::new(e)))?,
             };
             Ok(BlobChunk {
                 subject: message.subject.to_string(),

@@ -280,13 +280,23 @@ async fn each_service_runs_with_only_its_own_permissions() {
         .await
         .expect("send task");
     let command = device.recv_type("command").await.expect("command");
-    device
-        .send(&command_results_for("pc-1", &command))
-        .await
-        .expect("results");
+    // Results larger than a NATS message: they travel as blobs both ways (stored by the
+    // gateway, read back by the session service with direct gets, and the task_end the
+    // same way back), which needs the blob stream's API.
+    let screenshot = "A".repeat(2 << 20);
+    let mut results = command_results_for("pc-1", &command);
+    results["action_results"][0]["result"] = json!({ "png": screenshot });
+    device.send(&results).await.expect("results");
     for client in [&mut galaxy, &mut device] {
         let end = client.recv_type("task_end").await.expect("task_end");
         assert_eq!(end["status"], "completed", "{end}");
+        assert_eq!(
+            end["result"][0]["results"][0]["result"]["png"]
+                .as_str()
+                .map(str::len),
+            Some(screenshot.len()),
+            "the task_end carries the results"
+        );
     }
 
     // An observer (the operator) sees everything published on the submit subject.

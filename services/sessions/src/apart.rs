@@ -19,8 +19,8 @@
 use std::collections::HashMap;
 
 use aip_store::text::json_text;
-use serde::{Deserialize, Serialize};
 use futures::StreamExt;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::store::StoreError;
