@@ -656,13 +656,40 @@ fn results_frame(
     .expect("an inbound frame")
 }
 
-/// The response id a live task waits for.
-async fn awaited(store: &TaskStore, task_id: &str) -> String {
+/// The device answers the command its task waits for (frame `msg_id`) with `result`, and
+/// the group is committed.
+async fn answer(
+    store: &TaskStore,
+    machine: &mut Machine,
+    writer: &mut Writer,
+    task_id: &str,
+    msg_id: &str,
+    result: serde_json::Value,
+) {
     let task = store.get(task_id).await.expect("get").expect("stored");
-    task.waiting
-        .response_id()
-        .expect("waiting for results")
-        .to_owned()
+    let awaited = task.waiting.response_id().expect("waiting for results");
+    machine
+        .frame(
+            &mut results_frame(task_id, awaited, result),
+            msg_id,
+            None,
+            None,
+        )
+        .expect("results applied");
+    commit(machine, writer).await;
+}
+
+/// The parts of a task's results kept apart (PostgreSQL).
+async fn parts_kept_apart(database: &aip_store::Database, task_id: &str) -> i64 {
+    let (parts,): (i64,) = database
+        .query(&aip_store::Sql::same(
+            "SELECT COUNT(*) FROM task_results WHERE task_id = $1",
+        ))
+        .bind(task_id.to_owned())
+        .fetch_one()
+        .await
+        .expect("parts");
+    parts
 }
 
 /// Results over 1 MiB are written apart from their task's row on PostgreSQL (the row holds a
@@ -676,16 +703,8 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
     commit(&mut machine, &mut writer).await;
     // 1.5 MiB that no shortcut could fake: every line numbered.
     let screenshot: String = (0..48_000).map(|i| format!("{i:031}\n")).collect();
-    let first = awaited(&store, "shot").await;
-    machine
-        .frame(
-            &mut results_frame("shot", &first, json!({ "png": screenshot })),
-            "m1",
-            None,
-            None,
-        )
-        .expect("results applied");
-    commit(&mut machine, &mut writer).await;
+    let png = json!({ "png": screenshot });
+    answer(&store, &mut machine, &mut writer, "shot", "m1", png).await;
 
     let postgres = matches!(backend, Backend::NatsPostgres);
     let row_sizes = aip_store::Sql::same(
@@ -701,14 +720,7 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
             row_bytes < 4096,
             "the row's history holds {row_bytes} bytes"
         );
-        let (parts,): (i64,) = database
-            .query(&aip_store::Sql::same(
-                "SELECT COUNT(*) FROM task_results WHERE task_id = 'shot'",
-            ))
-            .fetch_one()
-            .await
-            .expect("parts");
-        assert_eq!(parts, 1);
+        assert_eq!(parts_kept_apart(&database, "shot").await, 1);
     } else {
         assert!(row_bytes > screenshot.len() as i64, "{row_bytes}");
     }
@@ -722,16 +734,8 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
         Some(screenshot.as_str())
     );
 
-    let second = awaited(&store, "shot").await;
-    machine
-        .frame(
-            &mut results_frame("shot", &second, json!({ "ok": true })),
-            "m2",
-            None,
-            None,
-        )
-        .expect("results applied");
-    commit(&mut machine, &mut writer).await;
+    let ok = json!({ "ok": true });
+    answer(&store, &mut machine, &mut writer, "shot", "m2", ok).await;
 
     let done = store.get("shot").await.expect("get").expect("stored");
     assert_eq!(done.state(), TaskState::Completed);
@@ -773,14 +777,11 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
         Some(&done.history[0]["results"])
     );
     if postgres {
-        let (parts,): (i64,) = database
-            .query(&aip_store::Sql::same(
-                "SELECT COUNT(*) FROM task_results WHERE task_id = 'shot'",
-            ))
-            .fetch_one()
-            .await
-            .expect("parts");
-        assert_eq!(parts, 1, "written once, whatever the groups after");
+        assert_eq!(
+            parts_kept_apart(&database, "shot").await,
+            1,
+            "written once, whatever the groups after"
+        );
     }
     db.cleanup().await;
 }
@@ -793,17 +794,9 @@ async fn a_missing_part_of_kept_apart_results_is_reported(backend: Backend) {
         .submit(new_task("lost", "lost", galaxy(), "d1", scripted(2)), None)
         .expect("starts");
     commit(&mut machine, &mut writer).await;
-    let first = awaited(&store, "lost").await;
-    let screenshot = "Q".repeat(1536 * 1024);
-    machine
-        .frame(
-            &mut results_frame("lost", &first, json!({ "png": screenshot })),
-            "m1",
-            None,
-            None,
-        )
-        .expect("results applied");
-    commit(&mut machine, &mut writer).await;
+    let png = json!({ "png": "Q".repeat(1536 * 1024) });
+    answer(&store, &mut machine, &mut writer, "lost", "m1", png).await;
+    assert_eq!(parts_kept_apart(&database, "lost").await, 1);
     database
         .query(&aip_store::Sql::same("DELETE FROM task_results"))
         .execute()
