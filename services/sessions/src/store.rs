@@ -758,15 +758,13 @@ fn cells(task: &Task, history: Option<String>) -> Result<Vec<Cell>, StoreError> 
     let mut history = history;
     COLUMNS
         .iter()
-        .map(
-            |c| match (c.name, history.take_if(|_| c.name == "history")) {
-                (_, Some(text)) => Ok(Cell::Text(Some(text))),
-                _ => (c.cell)(task).map_err(|source| StoreError::Encode {
-                    task_id: task.task_id.clone(),
-                    source,
-                }),
-            },
-        )
+        .map(|c| match history.take_if(|_| c.name == "history") {
+            Some(text) => Ok(Cell::Text(Some(text))),
+            None => (c.cell)(task).map_err(|source| StoreError::Encode {
+                task_id: task.task_id.clone(),
+                source,
+            }),
+        })
         .collect()
 }
 
