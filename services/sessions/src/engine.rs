@@ -1081,7 +1081,7 @@ impl Engine {
                         self.bus.as_ref(),
                         frame.subject.clone(),
                         headers,
-                        frame.payload.into(),
+                        frame.payload,
                     )
                     .boxed(),
             };
