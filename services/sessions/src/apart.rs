@@ -128,45 +128,50 @@ pub fn stored_history(
     let mut bodies = Vec::new();
     let mut entries = Vec::with_capacity(task.history.len());
     for (index, entry) in task.history.iter().enumerate() {
-        let index = i32::try_from(index).unwrap_or(i32::MAX);
-        let marker = match written.get(&task.task_id, index) {
-            Some(marker) => marker,
-            None => {
-                let Some((results, _)) = split_results(entry) else {
-                    entries.push(json_text(entry).map_err(encode)?);
-                    continue;
-                };
-                // The results are encoded first: a large entry is then encoded once.
-                let json = json_text(results).map_err(encode)?;
-                if json.len() <= APART_BYTES {
-                    entries.push(json_text(entry).map_err(encode)?);
-                    continue;
-                }
-                let marker = Marker {
-                    term,
-                    parts: i32::try_from(json.len().div_ceil(PART_BYTES)).unwrap_or(i32::MAX),
-                    bytes: json.len() as i64,
-                };
-                bodies.push(Body {
-                    task_id: task.task_id.clone(),
-                    entry: index,
-                    marker,
-                    json: json.into_bytes(),
-                });
-                marker
-            }
-        };
-        let Some((_, mut stored)) = split_results(entry) else {
+        let Some((results, rest)) = split_results(entry) else {
             entries.push(json_text(entry).map_err(encode)?);
             continue;
         };
-        stored.insert(
-            "results".to_owned(),
-            serde_json::json!({ MARKER_KEY: marker }),
-        );
-        entries.push(json_text(&stored).map_err(encode)?);
+        // Each part is encoded once: the other fields, then the results (or their marker).
+        let index = i32::try_from(index).unwrap_or(i32::MAX);
+        let rest = json_text(&rest).map_err(encode)?;
+        let results = match written.get(&task.task_id, index) {
+            Some(marker) => marker_text(marker),
+            None => {
+                let json = json_text(results).map_err(encode)?;
+                if json.len() <= APART_BYTES {
+                    json
+                } else {
+                    let marker = Marker {
+                        term,
+                        parts: i32::try_from(json.len().div_ceil(PART_BYTES)).unwrap_or(i32::MAX),
+                        bytes: json.len() as i64,
+                    };
+                    bodies.push(Body {
+                        task_id: task.task_id.clone(),
+                        entry: index,
+                        marker,
+                        json: json.into_bytes(),
+                    });
+                    marker_text(marker)
+                }
+            }
+        };
+        entries.push(with_results(&rest, &results));
     }
     Ok((format!("[{}]", entries.join(",")), bodies))
+}
+
+/// What stands for results kept apart.
+fn marker_text(marker: Marker) -> String {
+    serde_json::json!({ MARKER_KEY: marker }).to_string()
+}
+
+/// An entry's text from the text of its other fields (an object) and of its results.
+fn with_results(rest: &str, results: &str) -> String {
+    let head = rest.strip_suffix('}').unwrap_or(rest);
+    let comma = if head == "{" { "" } else { "," };
+    format!("{head}{comma}\"results\":{results}}}")
 }
 
 /// A history entry's results and its other fields, when it is an object with results.
@@ -293,4 +298,29 @@ pub async fn restore(
         }
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_entry_is_put_together_from_its_fields_and_its_results() {
+        let entry = json!({ "step": 0, "status": "continue", "results": [{ "result": "x" }] });
+        let (results, rest) = split_results(&entry).expect("an entry with results");
+        let text = with_results(
+            &json_text(&rest).expect("fields"),
+            &json_text(results).expect("results"),
+        );
+        assert_eq!(serde_json::from_str::<Value>(&text).expect("JSON"), entry);
+        // An entry with nothing but its results.
+        let alone = with_results("{}", "[1]");
+        assert_eq!(
+            serde_json::from_str::<Value>(&alone).expect("JSON"),
+            json!({ "results": [1] })
+        );
+        // Results that are not an array are not a device's: kept in the entry as they are.
+        assert!(split_results(&json!({ "results": { MARKER_KEY: 1 } })).is_none());
+    }
 }

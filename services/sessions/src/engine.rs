@@ -16,14 +16,13 @@
 //! over within `standby_retry_ms` once the leader's connection is gone.
 
 use std::collections::HashMap;
-
-use futures::FutureExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use aip_bus::registry::{RegistryClient, RegistryError};
 use aip_bus::{Headers, SharedBus};
+use futures::FutureExt;
 use proto_schemas::flow::{TaskRequest, TaskResponse};
 use proto_schemas::registry::{AgentRecord, AgentStatus, LookupAgents, MAX_GET_MANY};
 use proto_schemas::server;

@@ -594,14 +594,11 @@ async fn a_large_task_end_is_stored_once(backend: Backend) {
         "to the requester and to the executor"
     );
 
-    let sizes = aip_store::Sql::same(
+    let largest = number(
+        &database,
         "SELECT CAST(COALESCE(MAX(LENGTH(payload)), 0) AS BIGINT) FROM task_outbox",
-    );
-    let (largest,): (i64,) = database
-        .query(&sizes)
-        .fetch_one()
-        .await
-        .expect("payload sizes");
+    )
+    .await;
     assert!(largest < 1024, "an outbox payload holds {largest} bytes");
 
     let resent = store
@@ -679,17 +676,20 @@ async fn answer(
     commit(machine, writer).await;
 }
 
-/// The parts of a task's results kept apart (PostgreSQL).
-async fn parts_kept_apart(database: &aip_store::Database, task_id: &str) -> i64 {
-    let (parts,): (i64,) = database
-        .query(&aip_store::Sql::same(
-            "SELECT COUNT(*) FROM task_results WHERE task_id = $1",
-        ))
-        .bind(task_id.to_owned())
+/// The one number a query (the same text on both databases) answers.
+async fn number(database: &aip_store::Database, sql: &str) -> i64 {
+    let (n,): (i64,) = database
+        .query(&aip_store::Sql::render(|_| sql.to_owned()))
         .fetch_one()
         .await
-        .expect("parts");
-    parts
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    n
+}
+
+/// The parts of a task's results kept apart (PostgreSQL).
+async fn parts_kept_apart(database: &aip_store::Database, task_id: &str) -> i64 {
+    let sql = format!("SELECT COUNT(*) FROM task_results WHERE task_id = '{task_id}'");
+    number(database, &sql).await
 }
 
 /// Results over 1 MiB are written apart from their task's row on PostgreSQL (the row holds a
@@ -707,14 +707,11 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
     answer(&store, &mut machine, &mut writer, "shot", "m1", png).await;
 
     let postgres = matches!(backend, Backend::NatsPostgres);
-    let row_sizes = aip_store::Sql::same(
+    let row_bytes = number(
+        &database,
         "SELECT CAST(LENGTH(CAST(history AS TEXT)) AS BIGINT) FROM tasks WHERE task_id = 'shot'",
-    );
-    let (row_bytes,): (i64,) = database
-        .query(&row_sizes)
-        .fetch_one()
-        .await
-        .expect("row size");
+    )
+    .await;
     if postgres {
         assert!(
             row_bytes < 4096,
