@@ -74,7 +74,7 @@ const WRITTEN_KEPT: usize = 16_384;
 
 impl Written {
     /// Remembers the markers of a committed group, and forgets those of tasks that ended.
-    pub fn committed(&mut self, bodies: Vec<Body>, tasks: &[Task]) {
+    pub fn committed(&mut self, bodies: Vec<Body>, tasks: &[std::sync::Arc<Task>]) {
         for body in bodies {
             self.remember(body.task_id, body.entry, body.marker);
         }

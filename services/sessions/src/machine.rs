@@ -13,6 +13,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use aip_bus::RecentIds;
 use proto_schemas::flow::{
@@ -29,7 +30,7 @@ use serde_json::{Value, json};
 
 use crate::planners::{PlanJob, Planned, PlannerError};
 use crate::settings::SessionSettings;
-use crate::store::{Batch, NewEvent, OutFrame, TaskEndOf};
+use crate::store::{Batch, EventData, NewEvent, OutFrame, TaskEndOf};
 use crate::task::{
     Asker, EventKind, ExecutorRef, InvalidTransition, Question, Task, TaskError, Waiting, now_ms,
 };
@@ -218,7 +219,10 @@ pub struct Pending {
 pub struct Machine {
     settings: SessionSettings,
     subjects: Subjects,
-    tasks: HashMap<String, Task>,
+    /// Shared with the batch being written: [`Machine::take`] hands over each changed task
+    /// without copying it (a task's history can hold results of tens of MiB), and a task
+    /// changed again while its batch is written is copied then ([`Arc::make_mut`]).
+    tasks: HashMap<String, Arc<Task>>,
     /// Client id → live tasks it takes part in (as a client requester or as executor).
     clients: HashMap<String, HashSet<String>>,
     executors: HashMap<String, Load>,
@@ -260,7 +264,7 @@ impl Machine {
             if task.waiting == Waiting::Plan {
                 unplanned.push(task.task_id.clone());
             }
-            core.tasks.insert(task.task_id.clone(), task);
+            core.tasks.insert(task.task_id.clone(), Arc::new(task));
         }
         // Steps a crash left unplanned (a scripted one is planned at once, a remote one
         // after the first commit).
@@ -293,7 +297,7 @@ impl Machine {
         self.dirty_set.clear();
         for id in self.dirty.drain(..) {
             if let Some(task) = self.tasks.get(&id) {
-                pending.batch.tasks.push(task.clone());
+                pending.batch.tasks.push(Arc::clone(task));
             }
         }
         pending
@@ -418,6 +422,11 @@ impl Machine {
     }
 
     fn event(&mut self, task: &mut Task, kind: EventKind, data: Option<Value>) -> i64 {
+        self.record_event(task, kind, data.map(EventData::Value))
+    }
+
+    /// Appends an event whose data may refer to the task ([`EventData`]).
+    fn record_event(&mut self, task: &mut Task, kind: EventKind, data: Option<EventData>) -> i64 {
         let seq = task.next_seq;
         task.next_seq += 1;
         let state = task.state();
@@ -527,7 +536,7 @@ impl Machine {
                 task_id: task_id.to_owned(),
             });
         };
-        let result = change(self, &mut task);
+        let result = change(self, Arc::make_mut(&mut task));
         let changed = result.is_ok();
         self.tasks.insert(task_id.to_owned(), task);
         if changed {
@@ -650,18 +659,21 @@ impl Machine {
         self.index(&task);
         self.count_live(task.requester.id(), true);
         let task_id = task.task_id.clone();
-        self.tasks.insert(task_id.clone(), task);
+        self.tasks.insert(task_id.clone(), Arc::new(task));
         self.touch(&task_id);
         if let Some(client) = new.requester.client_id() {
             self.send(client, &server::task_accepted(&task_id));
         }
         self.release(&executor.agent_id);
-        self.tasks.get(&task_id).cloned().ok_or_else(|| {
-            Refusal::now(
-                ErrorCode::Internal,
-                format!("task '{task_id}' vanished while it was started"),
-            )
-        })
+        self.tasks
+            .get(&task_id)
+            .map(|t| Task::clone(t))
+            .ok_or_else(|| {
+                Refusal::now(
+                    ErrorCode::Internal,
+                    format!("task '{task_id}' vanished while it was started"),
+                )
+            })
     }
 
     /// The executor: the one candidate of an explicit target, or the candidate with the
@@ -1184,7 +1196,8 @@ impl Machine {
             if let Some(fields) = entry.as_object_mut() {
                 fields.insert("results".to_owned(), results);
             }
-            task.history.push(entry.clone());
+            task.history.push(entry);
+            let entry = task.history.len() - 1;
             task.step += 1;
             task.waiting = if task.plan == Plan::Driver {
                 Waiting::Nothing
@@ -1193,7 +1206,7 @@ impl Machine {
             };
             task.deadline_ms = task.task_deadline_ms;
             task.updated_ms = now_ms();
-            core.event(task, EventKind::ResultsReceived, Some(entry));
+            core.record_event(task, EventKind::ResultsReceived, Some(EventData::Entry(entry)));
             if task.waiting == Waiting::Plan {
                 core.plan(task)?;
             }
@@ -1881,16 +1894,22 @@ impl Machine {
         if error.is_some() {
             task.error = error;
         }
-        // The result is copied once, into the event; `json!` would copy it again.
-        let mut data = json!({
-            "error": task.error.as_ref().map(|e| &e.detail),
-            "error_code": task.error.as_ref().map(|e| e.code.as_str()),
-        });
-        if let Some(fields) = data.as_object_mut() {
-            fields.insert("result".to_owned(), result.clone().unwrap_or(Value::Null));
-        }
+        // The event refers to the result rather than copying it.
+        let mut fields = serde_json::Map::new();
+        fields.insert(
+            "error".to_owned(),
+            task.error.as_ref().map(|e| e.detail.clone()).into(),
+        );
+        fields.insert(
+            "error_code".to_owned(),
+            task.error.as_ref().map(|e| e.code.as_str()).into(),
+        );
         task.result = result;
-        self.event(task, EventKind::Ended(state), Some(data));
+        self.record_event(
+            task,
+            EventKind::Ended(state),
+            Some(EventData::Ended(fields)),
+        );
         self.planning.remove(&task.task_id);
 
         let response_id = server::new_id();
@@ -2231,7 +2250,7 @@ mod tests {
         let mut reloaded = Machine::new(
             SessionSettings::default(),
             Subjects::default(),
-            pending.batch.tasks.clone(),
+            pending.batch.tasks.iter().map(|t| Task::clone(t)).collect(),
         );
         reloaded.cancel("a", "x").expect("cancel");
         commit(&mut reloaded);

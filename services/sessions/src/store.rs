@@ -15,6 +15,8 @@ pub use aip_store::text::{NUL, NUL_REPLACEMENT, storable, storable_text};
 use aip_store::{Conn, Database, List, Sql};
 use proto_schemas::sessions::{TaskEvent, TaskState};
 use proto_schemas::{ClientType, Command, ErrorCode, Extension, Platform};
+use std::borrow::Cow;
+
 use serde_json::Value;
 use sqlx::types::Json;
 
@@ -347,35 +349,46 @@ const LARGE_VALUE_BYTES: usize = 64 * 1024;
 /// a `results_received` event holds. Only the store writes and reads it.
 const HISTORY_REF: &str = "$history";
 
-/// An event's data as stored: a large result or step's results, which the task's `history`
-/// (written in the same group) holds already, becomes a [`HISTORY_REF`], so a 90 MiB
-/// screenshot is written once, not three times. [`TaskStore::events`] puts it back.
-fn stored_event_data(event: &NewEvent, task: Option<&Task>) -> Option<Value> {
-    let (data, task) = (event.data.as_ref()?, task?);
-    let reference = match event.kind {
-        EventKind::Ended(_) => match data.get("result") {
-            Some(Value::Array(items)) if *items == task.history => Value::from("all"),
-            _ => return None,
-        },
-        EventKind::ResultsReceived => Value::from(task.history.iter().rposition(|e| e == data)?),
-        _ => return None,
+/// An event's data as stored. What repeats the task's row (written in the same group) is
+/// written there once: a history entry or a result of [`LARGE_VALUE_BYTES`] or more becomes a
+/// [`HISTORY_REF`], so a 90 MiB screenshot is not written three times; smaller ones are
+/// copied, so reading a task's events costs no read of the task. [`TaskStore::events`] puts
+/// references back. `task` is the event's task as the group writes it.
+fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<Cow<'a, Value>> {
+    let (data, task) = match (event.data.as_ref()?, task) {
+        (EventData::Value(value), _) => return Some(Cow::Borrowed(value)),
+        (data, Some(task)) => (data, task),
+        (_, None) => {
+            tracing::error!(task = %event.task_id, seq = event.seq, "an event refers to a task its group does not write; its data is not stored");
+            return None;
+        }
     };
-    // Only large data is worth a read of the task when the events are read.
-    if encoded_len(data) < LARGE_VALUE_BYTES {
-        return None;
+    match data {
+        EventData::Value(value) => Some(Cow::Borrowed(value)),
+        EventData::Entry(index) => {
+            let entry = task.history.get(*index)?;
+            if encoded_len(entry) < LARGE_VALUE_BYTES {
+                return Some(Cow::Borrowed(entry));
+            }
+            let mut stored = serde_json::Map::new();
+            stored.insert(HISTORY_REF.to_owned(), Value::from(*index));
+            Some(Cow::Owned(Value::Object(stored)))
+        }
+        EventData::Ended(fields) => {
+            let mut stored = fields.clone();
+            match &task.result {
+                Some(result)
+                    if result_is_history(task) && encoded_len(result) >= LARGE_VALUE_BYTES =>
+                {
+                    stored.insert(HISTORY_REF.to_owned(), Value::from("all"));
+                }
+                result => {
+                    stored.insert("result".to_owned(), result.clone().unwrap_or(Value::Null));
+                }
+            }
+            Some(Cow::Owned(Value::Object(stored)))
+        }
     }
-    let mut stored = serde_json::Map::new();
-    if let (EventKind::Ended(_), Some(fields)) = (event.kind, data.as_object()) {
-        // Every field but the result, which is not copied.
-        stored.extend(
-            fields
-                .iter()
-                .filter(|(key, _)| key.as_str() != "result")
-                .map(|(key, value)| (key.clone(), value.clone())),
-        );
-    }
-    stored.insert(HISTORY_REF.to_owned(), reference);
-    Some(Value::Object(stored))
 }
 
 /// How many bytes `value` takes as JSON, counted without writing them anywhere.
@@ -816,7 +829,20 @@ pub struct NewEvent {
     pub kind: EventKind,
     /// The task's state after it.
     pub state: TaskState,
-    pub data: Option<Value>,
+    pub data: Option<EventData>,
+}
+
+/// What an event says, as the leader records it. Data that repeats the task is recorded by
+/// reference, so a step's results of tens of MiB are not copied into their events; the
+/// store writes the copy or (when large) a reference ([`stored_event_data`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventData {
+    /// Data of its own.
+    Value(Value),
+    /// The task's history entry at this index (`results_received`).
+    Entry(usize),
+    /// These fields, and `result`: the task's result (an ended event).
+    Ended(serde_json::Map<String, Value>),
 }
 
 /// A frame to publish once its batch has committed.
@@ -900,8 +926,8 @@ pub struct NewCallback {
 /// Everything one group commit writes, in one transaction.
 #[derive(Debug, Default)]
 pub struct Batch {
-    /// Tasks created or changed (the last version of each).
-    pub tasks: Vec<Task>,
+    /// Tasks created or changed (the last version of each), shared with the leader's state.
+    pub tasks: Vec<std::sync::Arc<Task>>,
     /// Events appended.
     pub events: Vec<NewEvent>,
     /// Ids of the frames applied, so a redelivery is recognised.
@@ -1094,7 +1120,7 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
     let tasks: HashMap<&str, &Task> = batch
         .tasks
         .iter()
-        .map(|t| (t.task_id.as_str(), t))
+        .map(|t| (t.task_id.as_str(), &**t))
         .collect();
     for rows in sized_chunks(&batch.events) {
         let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
@@ -1107,12 +1133,11 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
                 .push_bind(e.kind.as_str())
                 .push_bind(e.state.as_str())
                 .push_bind(
-                    stored_event_data(e, tasks.get(e.task_id.as_str()).copied())
-                        .or_else(|| e.data.clone())
-                        .map(|mut data| {
-                            storable(&mut data);
-                            Json(data)
-                        }),
+                    stored_event_data(e, tasks.get(e.task_id.as_str()).copied()).map(|data| {
+                        let mut data = data.into_owned();
+                        storable(&mut data);
+                        Json(data)
+                    }),
                 );
         });
         q.build().execute(&mut *tx).await?;
@@ -1252,16 +1277,14 @@ async fn write_pg(
     let tasks: HashMap<&str, &Task> = batch
         .tasks
         .iter()
-        .map(|t| (t.task_id.as_str(), t))
+        .map(|t| (t.task_id.as_str(), &**t))
         .collect();
     let data = e
         .iter()
         .map(|e| {
-            match stored_event_data(e, tasks.get(e.task_id.as_str()).copied()) {
-                Some(shared) => Some(json_text(&shared)),
-                None => e.data.as_ref().map(json_text),
-            }
-            .transpose()
+            stored_event_data(e, tasks.get(e.task_id.as_str()).copied())
+                .map(|data| json_text(&*data))
+                .transpose()
         })
         .collect::<Result<Vec<Option<String>>, _>>()
         .map_err(|source| StoreError::Encode {

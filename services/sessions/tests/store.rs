@@ -153,7 +153,10 @@ async fn every_store_function(backend: Backend) {
             .await
             .expect("get")
             .expect("found");
-        assert_eq!(&read, written, "a task survives the round trip unchanged");
+        assert_eq!(
+            &read, &**written,
+            "a task survives the round trip unchanged"
+        );
     }
     assert!(store.get("nope").await.expect("get").is_none());
     let t1 = store.get("t1").await.expect("get").expect("t1");
