@@ -9,7 +9,7 @@ use aip_testkit::frames::{
 use aip_testkit::{
     Backend, Client, Options, Stack, both_backends, eventually, get_json, post_json,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
     let stack = Stack::start(backend, Options::with_gateways(2))
@@ -112,6 +112,22 @@ async fn constellation_drives_a_device_on_another_gateway(backend: Backend) {
         .filter_map(|e| e["seq"].as_i64())
         .collect();
     assert_eq!(seqs, (1..=7).collect::<Vec<_>>(), "gap-free");
+    // Small data is stored in the events themselves: each step's results, and the result
+    // and (absent) error of the end.
+    let events = log["events"].as_array().expect("events");
+    let received: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "results_received")
+        .map(|e| &e["data"])
+        .collect();
+    assert_eq!(received, [&task["result"][0], &task["result"][1]], "{log}");
+    let completed = &events[6]["data"];
+    assert_eq!(completed["result"], task["result"], "{log}");
+    assert_eq!(
+        (&completed["error"], &completed["error_code"]),
+        (&Value::Null, &Value::Null),
+        "{log}"
+    );
     let (status, result) = get_json(&format!("{base}/api/task_result/demo_task")).await;
     assert_eq!(status, 200);
     assert_eq!(result["status"], "done");
