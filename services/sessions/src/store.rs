@@ -7,6 +7,7 @@
 //! databases and the encoding of a [`Task`] come from that list. Text for states, kinds and
 //! codes exists only here, at the database edge.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
@@ -15,8 +16,6 @@ pub use aip_store::text::{NUL, NUL_REPLACEMENT, storable, storable_text};
 use aip_store::{Conn, Database, List, Sql};
 use proto_schemas::sessions::{TaskEvent, TaskState};
 use proto_schemas::{ClientType, Command, ErrorCode, Extension, Platform};
-use std::borrow::Cow;
-
 use serde_json::Value;
 use sqlx::types::Json;
 
