@@ -366,7 +366,7 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
         EventData::Value(value) => Some(Cow::Borrowed(value)),
         EventData::Entry(index) => {
             let entry = task.history.get(*index)?;
-            if encoded_len(entry) < LARGE_VALUE_BYTES {
+            if !is_large(entry) {
                 return Some(Cow::Borrowed(entry));
             }
             let mut stored = serde_json::Map::new();
@@ -376,9 +376,7 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
         EventData::Ended(fields) => {
             let mut stored = fields.clone();
             match &task.result {
-                Some(result)
-                    if result_is_history(task) && encoded_len(result) >= LARGE_VALUE_BYTES =>
-                {
+                Some(result) if is_large(result) && result_is_history(task) => {
                     stored.insert(HISTORY_REF.to_owned(), Value::from("all"));
                 }
                 result => {
@@ -390,12 +388,17 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
     }
 }
 
-/// How many bytes `value` takes as JSON, counted without writing them anywhere.
-fn encoded_len(value: &Value) -> usize {
+/// Whether `value` takes [`LARGE_VALUE_BYTES`] or more as JSON: counted without writing it
+/// anywhere, and only up to that size (a 90 MiB result is not encoded to find out).
+fn is_large(value: &Value) -> bool {
     struct Counter(usize);
     impl std::io::Write for Counter {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
             self.0 += bytes.len();
+            if self.0 >= LARGE_VALUE_BYTES {
+                // Enough counted: ends the encoding.
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
             Ok(bytes.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -403,10 +406,8 @@ fn encoded_len(value: &Value) -> usize {
         }
     }
     let mut counter = Counter(0);
-    match serde_json::to_writer(&mut counter, value) {
-        Ok(()) => counter.0,
-        Err(_) => 0,
-    }
+    let _ = serde_json::to_writer(&mut counter, value);
+    counter.0 >= LARGE_VALUE_BYTES
 }
 
 /// Puts back what [`stored_event_data`] replaced by a reference to `history`.
@@ -1923,6 +1924,18 @@ pub struct ListFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_values_are_told_by_their_encoded_size() {
+        // A string encodes with its two quotes.
+        let string = |len: usize| Value::from("x".repeat(len));
+        assert!(!is_large(&string(LARGE_VALUE_BYTES - 3)));
+        assert!(is_large(&string(LARGE_VALUE_BYTES - 2)));
+        assert!(is_large(&string(90 << 20)));
+        assert!(!is_large(&serde_json::json!({ "results": [1, 2, 3] })));
+        let many = Value::Array((0..LARGE_VALUE_BYTES / 2).map(Value::from).collect());
+        assert!(is_large(&many), "two bytes or more per item, with the commas");
+    }
 
     #[test]
     fn rows_are_split_into_a_few_fixed_sizes_and_none_is_lost() {
