@@ -465,10 +465,12 @@ impl Engine {
     async fn answer<T>(&self, result: Result<T, Failure>) -> Result<T, EngineError> {
         match result {
             Ok(v) => Ok(v),
-            Err(Failure::Store(e)) => Err(EngineError::refused(
-                ErrorCode::Unavailable,
-                format!("the change was not saved ({e}); retry"),
-            )),
+            Err(Failure::Store(e) | Failure::Refused(Refusal::Retry(e))) => {
+                Err(EngineError::refused(
+                    ErrorCode::Unavailable,
+                    format!("the change was not saved ({e}); retry"),
+                ))
+            }
             Err(Failure::Refused(Refusal::Now(body) | Refusal::UnlessSeen(body, _))) => {
                 Err(EngineError::Refused(body))
             }
@@ -803,14 +805,23 @@ impl Engine {
             .into_iter()
             .zip(resolved)
             .map(|((echo_name, new), candidates)| {
+                // Refused for an unreachable database, a frame whose earlier delivery was
+                // committed although the write reported an error would contradict its
+                // running task: it waits for the database instead.
+                if let (
+                    Ok(NewTask {
+                        task_id: Some(_), ..
+                    }),
+                    Err(e),
+                ) = (&new, &owners)
+                {
+                    return TaskFrame::Unprepared(e.to_string());
+                }
                 let start = new.and_then(|new| {
                     let candidates = candidates?;
                     let existing_owner = match (&new.task_id, &owners) {
                         (Some(id), Ok(owners)) => owners.get(id).cloned(),
-                        (Some(_), Err(e)) => {
-                            return Err(ErrorBody::new(ErrorCode::Unavailable, e.to_string()));
-                        }
-                        (None, _) => None,
+                        _ => None,
                     };
                     Ok(Prepared {
                         new,
@@ -931,6 +942,8 @@ impl Engine {
     ) -> Result<(), StoreError> {
         let body = match refusal {
             Refusal::Now(body) => body,
+            // Not a refusal: the frame is retried (`workers::settle`).
+            Refusal::Retry(cause) => ErrorBody::new(ErrorCode::Unavailable, cause),
             Refusal::UnlessSeen(body, _) if !checked => body,
             Refusal::UnlessSeen(body, id) => {
                 if self.store.processed(&id).await? {

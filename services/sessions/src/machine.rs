@@ -167,6 +167,9 @@ pub enum TaskFrame {
     /// answered by the registry: no task starts; the client gets `task_end` with this
     /// TaskResponse as its result.
     Answered(TaskResponse),
+    /// The database could not say whether its task id is taken (it is unreachable): not
+    /// applied, and delivered again until it can, never refused for that.
+    Unprepared(String),
 }
 
 /// Why a change was not applied.
@@ -180,6 +183,9 @@ pub enum Refusal {
     /// The task is not live on this leader; the answer depends on the database (it ended,
     /// it never existed, or the frame was applied before it ended).
     NotLive { task_id: String },
+    /// Not applied for a passing cause (the database could not be read): the frame is
+    /// delivered again, and the cause is never sent as a refusal.
+    Retry(String),
 }
 
 impl Refusal {
@@ -872,6 +878,7 @@ impl Machine {
                         let detail = match refusal {
                             Refusal::Now(body) | Refusal::UnlessSeen(body, _) => body.detail,
                             Refusal::NotLive { .. } => "the task has ended".to_owned(),
+                            Refusal::Retry(cause) => cause,
                         };
                         let result = ActionResult {
                             status: ResultStatus::Failure,
@@ -1029,6 +1036,7 @@ impl Machine {
                         self.answer_agent_frame(inbound, msg_id, &response);
                         return Ok(());
                     }
+                    Some(TaskFrame::Unprepared(cause)) => return Err(Refusal::Retry(cause)),
                     Some(TaskFrame::Start { echo_name, start }) => (echo_name, start),
                 };
                 if let Some(name) = &echo_name
@@ -2103,6 +2111,36 @@ mod tests {
 
     fn machine() -> Machine {
         Machine::new(SessionSettings::default(), Subjects::default(), Vec::new())
+    }
+
+    #[test]
+    fn a_task_frame_the_database_could_not_check_is_retried_not_refused() {
+        let mut m = machine();
+        let mut inbound: InboundFrame = serde_json::from_value(json!({
+            "version": 1, "gateway_id": "gw", "connection_id": "c1", "client_id": "g@d",
+            "client_type": "constellation", "platform": "linux",
+            "received_at": "2026-11-26T00:00:00Z",
+            "frame": {
+                "type": "task", "client_type": "constellation", "client_id": "g@d",
+                "target_id": "d", "session_id": "t1", "request": "do it", "status": "continue",
+            },
+        }))
+        .expect("an inbound frame");
+        let unreachable = "database error: connection refused".to_owned();
+        let outcome = m.frame(
+            &mut inbound,
+            "m1",
+            Some(TaskFrame::Unprepared(unreachable.clone())),
+            None,
+        );
+        assert!(
+            matches!(&outcome, Err(Refusal::Retry(cause)) if *cause == unreachable),
+            "{outcome:?}"
+        );
+        assert!(
+            !m.has_changes(),
+            "nothing applied, nothing sent: the frame comes again"
+        );
     }
 
     /// Commits the open batch, as the applier does after a successful write.

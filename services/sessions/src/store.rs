@@ -1934,7 +1934,10 @@ mod tests {
         assert!(is_large(&string(90 << 20)));
         assert!(!is_large(&serde_json::json!({ "results": [1, 2, 3] })));
         let many = Value::Array((0..LARGE_VALUE_BYTES / 2).map(Value::from).collect());
-        assert!(is_large(&many), "two bytes or more per item, with the commas");
+        assert!(
+            is_large(&many),
+            "two bytes or more per item, with the commas"
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::callbacks::{CallbackTarget, Callbacks};
 use crate::engine::{
     Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
-use crate::machine::{Answer, Answerer};
+use crate::machine::{Answer, Answerer, Refusal};
 use crate::planners::Planners;
 use crate::store::now_ms;
 use aip_bus::Delivery;
@@ -326,6 +326,16 @@ async fn settle(
         .unwrap_or_else(|_| Err(Failure::Store("the applier stopped".into())));
     match outcome {
         Ok(()) => {}
+        Err(Failure::Store(e) | Failure::Refused(Refusal::Retry(e))) => {
+            // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
+            tracing::warn!(
+                attempt = delivery.delivered,
+                "frame not applied, will retry: {e}"
+            );
+            let _ = delivery.nak(REDELIVERY_DELAY).await;
+            engine.frames.released();
+            return;
+        }
         Err(Failure::Refused(refusal)) => {
             if let Some(inbound) = &inbound {
                 // A refusal whose database checks keep failing is sent without them rather
@@ -344,16 +354,6 @@ async fn settle(
                     return;
                 }
             }
-        }
-        Err(Failure::Store(e)) => {
-            // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
-            tracing::warn!(
-                attempt = delivery.delivered,
-                "frame not applied, will retry: {e}"
-            );
-            let _ = delivery.nak(REDELIVERY_DELAY).await;
-            engine.frames.released();
-            return;
         }
     }
     if let Err(e) = delivery.ack().await {
