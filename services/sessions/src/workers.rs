@@ -328,13 +328,7 @@ async fn settle(
         Ok(()) => {}
         Err(Failure::Store(e) | Failure::Refused(Refusal::Retry(e))) => {
             // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
-            tracing::warn!(
-                attempt = delivery.delivered,
-                "frame not applied, will retry: {e}"
-            );
-            let _ = delivery.nak(REDELIVERY_DELAY).await;
-            engine.frames.released();
-            return;
+            return deliver_again(&engine, delivery, "frame not applied", &e).await;
         }
         Err(Failure::Refused(refusal)) => {
             if let Some(inbound) = &inbound {
@@ -345,13 +339,7 @@ async fn settle(
                     .refuse_frame(inbound, &msg_id, refusal, checked)
                     .await
                 {
-                    tracing::warn!(
-                        attempt = delivery.delivered,
-                        "refusal not sent, will retry: {e}"
-                    );
-                    let _ = delivery.nak(REDELIVERY_DELAY).await;
-                    engine.frames.released();
-                    return;
+                    return deliver_again(&engine, delivery, "refusal not sent", &e).await;
                 }
             }
         }
@@ -360,6 +348,18 @@ async fn settle(
         tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
     }
     engine.frames.acked();
+}
+
+/// Hands a frame back to the stream, to be delivered again after [`REDELIVERY_DELAY`].
+async fn deliver_again(
+    engine: &Engine,
+    delivery: Delivery,
+    what: &str,
+    cause: &(dyn std::fmt::Display + Sync),
+) {
+    tracing::warn!(attempt = delivery.delivered, "{what}, will retry: {cause}");
+    let _ = delivery.nak(REDELIVERY_DELAY).await;
+    engine.frames.released();
 }
 
 /// Events from this size on are logged (at DEBUG) with the time they took to read.
