@@ -117,6 +117,11 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Tasks not ended, held by the leader.",
     ),
     (
+        "aip_sessions_task_id_lookups_total",
+        Kind::Counter,
+        "New tasks' ids checked for being taken, by `outcome` (asked: looked up in the database; skipped: the leader's filter has never seen the id).",
+    ),
+    (
         "aip_sessions_group_commit_seconds",
         Kind::Histogram,
         "Time to write one group of changes.",

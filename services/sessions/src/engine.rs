@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::callbacks::Callbacks;
+use crate::known::KnownIds;
 use crate::machine::{Answer, CommandStep, HandoffAsk, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::planners::{PlanJob, Planned, Planners};
@@ -266,6 +267,8 @@ pub struct Engine {
     replica: Arc<str>,
     /// The registry's records of recent explicit targets.
     targets: Arc<std::sync::Mutex<TargetCache>>,
+    /// The task ids the database may hold, so that new ids are not looked up.
+    known: Arc<KnownIds>,
 }
 
 /// The receiving end of the applier's channel, for [`run_applier`].
@@ -296,7 +299,6 @@ impl Engine {
             registry,
             bus,
             subjects,
-            settings,
             planners: Arc::new(planners),
             callbacks: Arc::new(callbacks),
             blobs,
@@ -310,6 +312,8 @@ impl Engine {
             acks_awaited: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
             targets: Arc::default(),
+            known: Arc::new(KnownIds::new(settings.known_task_ids_bytes)),
+            settings,
         };
         (engine, Applier { ops: rx })
     }
@@ -672,12 +676,12 @@ impl Engine {
     pub async fn prepare(&self, new: NewTask) -> Result<Prepared, ErrorBody> {
         let candidates = self.resolve(&new).await?;
         let existing_owner = match &new.task_id {
-            Some(id) => self
+            Some(id) if self.may_be_taken(id) => self
                 .store
                 .owner(id)
                 .await
                 .map_err(|e| ErrorBody::new(ErrorCode::Unavailable, e.to_string()))?,
-            None => None,
+            Some(_) | None => None,
         };
         Ok(Prepared {
             new,
@@ -767,6 +771,7 @@ impl Engine {
         let ids: Vec<String> = planned
             .iter()
             .filter_map(|(_, new)| new.as_ref().ok()?.task_id.clone())
+            .filter(|id| self.may_be_taken(id))
             .collect();
         // The database read and the registry requests run at the same time.
         let owners = async {
@@ -810,10 +815,11 @@ impl Engine {
                 // running task: it waits for the database instead.
                 if let (
                     Ok(NewTask {
-                        task_id: Some(_), ..
+                        task_id: Some(id), ..
                     }),
                     Err(e),
                 ) = (&new, &owners)
+                    && ids.contains(id)
                 {
                     return TaskFrame::Unprepared(e.to_string());
                 }
@@ -832,6 +838,15 @@ impl Engine {
                 TaskFrame::Start { echo_name, start }
             })
             .collect()
+    }
+
+    /// Whether a new task's id must be looked up in the database: false when the leader's
+    /// filter has never seen it ([`crate::known`]).
+    fn may_be_taken(&self, id: &str) -> bool {
+        let may = self.known.may_hold(id);
+        let outcome = if may { "asked" } else { "skipped" };
+        metrics::counter!("aip_sessions_task_id_lookups_total", "outcome" => outcome).increment(1);
+        may
     }
 
     /// The registry's records of the explicit targets of a chunk's tasks, in one request per
@@ -1277,7 +1292,11 @@ pub async fn run_applier(
         plans: plans_tx,
     };
     let mut spare = None;
+    let mut terms: u64 = 0;
     while let Some(mut writer) = wait_to_lead(&engine, &lease, &mut spare, retry, &stop).await {
+        // Before anything of this term is written: the filter then misses no id.
+        terms += 1;
+        let known_ids = engine.known.begin_term(terms);
         let live = match writer.load_live().await {
             Ok(live) => live,
             Err(e) => {
@@ -1291,6 +1310,15 @@ pub async fn run_applier(
         engine.standby.store(false, Ordering::Release);
         engine.leading.store(true, Ordering::Release);
         let term = stop.child_token();
+        if let Some(filter) = known_ids {
+            tokio::spawn(load_known_ids(
+                engine.clone(),
+                terms,
+                filter,
+                term.clone(),
+                retry,
+            ));
+        }
         on_lead(term.clone());
         let mut leader = Leader {
             engine: &engine,
@@ -1307,6 +1335,8 @@ pub async fn run_applier(
         // Closes the leader's connection before anything waits.
         drop(leader);
         engine.leading.store(false, Ordering::Release);
+        // Another replica may lead next and write ids this filter never sees.
+        engine.known.end_term();
         term.cancel();
         match ended {
             TermEnd::Stopped => break,
@@ -1317,6 +1347,58 @@ pub async fn run_applier(
     drop(outputs);
     let _ = publisher.await;
     planner.abort();
+}
+
+/// Task ids read per page when the filter of known ids is built.
+const KNOWN_IDS_PAGE: usize = 10_000;
+
+/// Builds the term's filter of known task ids from every id in the database, page by page
+/// beside the leader's work; a failed read is tried again until the term ends. New tasks' ids
+/// are looked up until it is built.
+async fn load_known_ids(
+    engine: Engine,
+    term: u64,
+    mut filter: fastbloom::BloomFilter,
+    stop: CancellationToken,
+    retry: Duration,
+) {
+    let started = std::time::Instant::now();
+    let mut from = String::new();
+    let mut read: usize = 0;
+    loop {
+        let page = tokio::select! {
+            page = engine.store.task_ids_from(&from, KNOWN_IDS_PAGE) => page,
+            () = stop.cancelled() => return,
+        };
+        match page {
+            Ok(ids) => {
+                let last_page = ids.len() < KNOWN_IDS_PAGE;
+                read += ids.len();
+                for id in &ids {
+                    filter.insert(id.as_str());
+                }
+                match ids.into_iter().last() {
+                    Some(last) if !last_page => from = last,
+                    _ => break,
+                }
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "cannot read the task ids (new tasks' ids are looked up in the database until they are read): {e}"
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(retry) => {}
+                    () = stop.cancelled() => return,
+                }
+            }
+        }
+    }
+    engine.known.loaded(term, filter);
+    tracing::info!(
+        read,
+        ms = started.elapsed().as_millis() as u64,
+        "known task ids read: a new task's id is looked up only if one like it may exist"
+    );
 }
 
 /// Ops queued per in-flight frame: room for the frames of one full consumer window, and as
@@ -1501,6 +1583,10 @@ impl Leader<'_> {
         let mut channel_closed = false;
         let max_batch = self.engine.settings.max_batch;
         let commit_span = aip_bus::trace::linked_span("group commit", &pending.links);
+        // Before the write: a task id the filter misses must not be in the database.
+        self.engine
+            .known
+            .add(pending.batch.tasks.iter().map(|t| t.task_id.as_str()));
         let stored = self.engine.store_large_frames(&pending.batch.outbox);
         let written = {
             let write = self.writer.write(&pending.batch).instrument(commit_span);

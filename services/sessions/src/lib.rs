@@ -18,6 +18,7 @@ pub mod apart;
 pub mod callbacks;
 pub mod engine;
 pub mod http;
+pub mod known;
 pub mod machine;
 pub mod planners;
 pub mod settings;

@@ -67,6 +67,10 @@ pub struct SessionSettings {
     /// beyond it its new tasks are refused with RATE_LIMITED. Operator keys are not held to
     /// it; a principal's `max_live_tasks` replaces it for that key.
     pub max_live_tasks_per_requester: usize,
+    /// Bytes of the leader's filter of the task ids the database holds ([`crate::known`]): a
+    /// new task's id is looked up in the database only when the filter may hold it. Sized for
+    /// about 500,000 ids per MiB; past that more ids are looked up. 0 looks up every id.
+    pub known_task_ids_bytes: usize,
     /// The highest `priority` a requester may give a task (a higher one is refused with
     /// FORBIDDEN); operator keys may give any, a principal's `max_priority` replaces it.
     pub max_client_priority: i32,
@@ -215,6 +219,7 @@ impl Default for SessionSettings {
             max_in_flight: 1024,
             max_live_tasks: 100_000,
             max_live_tasks_per_requester: 1_000,
+            known_task_ids_bytes: 4 << 20,
             max_client_priority: 0,
             principals_file: None,
             max_event_watchers: 10_000,

@@ -599,6 +599,10 @@ static TASK_EVENTS: Sql = Sql::same(
      WHERE task_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
 );
 static TASK_OWNER: Sql = Sql::same("SELECT requester_id FROM tasks WHERE task_id = $1");
+/// A page of task ids in key order, from `$1` on (`>=`: the first page starts at `''`, and an
+/// empty id is a key too).
+static TASK_IDS_FROM: Sql =
+    Sql::same("SELECT task_id FROM tasks WHERE task_id >= $1 ORDER BY task_id LIMIT $2");
 /// Reads the id back, a text on both databases (`SELECT 1` is INT4 on PostgreSQL).
 static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE msg_id = $1");
 /// Outbox rows committed before `$1`, oldest first, but those in the list `$3` (frames this
@@ -1628,6 +1632,19 @@ impl TaskStore {
             .fetch_optional()
             .await?;
         Ok(row.map(|r| r.0))
+    }
+
+    /// Up to `limit` task ids in key order, from `from` on (`from` itself included): pages of
+    /// every id in the database, each page starting at the last id of the one before.
+    pub async fn task_ids_from(&self, from: &str, limit: usize) -> Result<Vec<String>, StoreError> {
+        let rows: Vec<(String,)> = self
+            .db
+            .query(&TASK_IDS_FROM)
+            .bind(from.to_owned())
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all()
+            .await?;
+        Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
     /// The requesters of those of these task ids that exist, in one query per

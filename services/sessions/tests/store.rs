@@ -297,6 +297,15 @@ async fn every_store_function(backend: Backend) {
     assert_eq!(owners["t2"], "ops");
     assert_eq!(owners["t3"], "agent");
 
+    // Every task id, page by page: each page starts at the last id of the one before (the
+    // leader's filter of known ids is built so).
+    let first = store.task_ids_from("", 2).await.expect("task ids");
+    assert_eq!(first, ["t1", "t2"]);
+    let next = store.task_ids_from("t2", 2).await.expect("task ids");
+    assert_eq!(next, ["t2", "t3"]);
+    let last = store.task_ids_from("t3", 2).await.expect("task ids");
+    assert_eq!(last, ["t3"], "the last page is short");
+
     // A frame applied is recognised (the redelivery check), an unknown one is not.
     assert!(store.processed("frame-1").await.expect("processed"));
     assert!(!store.processed("frame-2").await.expect("processed"));
