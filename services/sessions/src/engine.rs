@@ -1373,7 +1373,9 @@ async fn load_known_ids(
         match page {
             Ok(ids) => {
                 let last_page = ids.len() < KNOWN_IDS_PAGE;
-                read += ids.len();
+                // A page after the first starts with the last id of the one before.
+                let again = usize::from(!from.is_empty() && ids.first() == Some(&from));
+                read += ids.len() - again;
                 for id in &ids {
                     filter.insert(id.as_str());
                 }
