@@ -542,6 +542,63 @@ async fn a_standby_takes_over_from_a_leader_frozen_mid_transaction() {
     db.cleanup().await;
 }
 
+/// A group that fails (here: an event that is already written) writes none of its changes,
+/// and the leader's connection takes the next group as if nothing had happened.
+async fn a_failed_group_writes_nothing_and_the_next_one_is_written(backend: Backend) {
+    let (db, _database, store, mut writer, mut machine) = leading(backend).await;
+    machine
+        .submit(
+            new_task(
+                "first",
+                "n",
+                Requester::Rest("ops".into()),
+                "d1",
+                scripted(1),
+            ),
+            None,
+        )
+        .expect("starts");
+    let written = commit(&mut machine, &mut writer).await;
+
+    machine
+        .submit(
+            new_task(
+                "second",
+                "n",
+                Requester::Rest("ops".into()),
+                "d2",
+                scripted(1),
+            ),
+            None,
+        )
+        .expect("starts");
+    let mut failing = machine.take();
+    failing.batch.events.push(written.events[0].clone());
+    writer
+        .write(&failing.batch)
+        .await
+        .expect_err("an event written twice fails the group");
+    assert!(
+        store.get("second").await.expect("reads").is_none(),
+        "nothing of the failed group is written"
+    );
+
+    failing.batch.events.pop();
+    writer
+        .write(&failing.batch)
+        .await
+        .expect("the writer takes the next group");
+    assert!(store.get("second").await.expect("reads").is_some());
+    assert_eq!(
+        store.events("second", 0, 10).await.expect("events").len(),
+        failing.batch.events.len()
+    );
+    drop(writer);
+    db.cleanup().await;
+}
+
+both_backends!(a_failed_group_writes_nothing_and_the_next_one_is_written);
+
 /// A client's NUL (which PostgreSQL's text and jsonb refuse) is stored as U+FFFD, so it cannot
 /// fail the group commit it shares with other clients' changes.
 async fn text_with_nul_is_stored(backend: Backend) {
