@@ -18,7 +18,7 @@ use axum::routing::post;
 use serde_json::{Value, json};
 
 mod common;
-use common::{free_port, start_sessions};
+use common::{free_port, stack_without_sessions, start_ready_sessions};
 
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 /// A second secret: the broker signs with both, as while rotating keys.
@@ -421,15 +421,7 @@ const CALLBACK_ENV: &[(&str, &str)] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
-    let stack = Stack::start(
-        Backend::NatsPostgres,
-        Options {
-            sessions: false,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = stack_without_sessions().await;
     // The receiver refuses until it is told to accept.
     let accept = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let plan: Plan = {
@@ -445,16 +437,7 @@ async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
     let (url, got) = receiver(plan).await;
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let ready = || async {
-        reqwest::get(format!("{base}/readyz"))
-            .await
-            .ok()
-            .filter(|r| r.status().is_success())
-    };
-    let mut sessions = start_sessions(&stack, port, CALLBACK_ENV);
-    eventually("the session service", ready)
-        .await
-        .expect("ready");
+    let mut sessions = start_ready_sessions(&stack, port, CALLBACK_ENV).await;
 
     let _dev = Client::registered(&stack.ws_url(0), device_register("kill-pc", "linux")).await;
     stack.wait_online("kill-pc").await;
@@ -479,10 +462,7 @@ async fn a_pending_callback_survives_kill_9_and_is_delivered_once() {
     let _ = sessions.0.wait();
     accept.store(true, std::sync::atomic::Ordering::SeqCst);
     let refused_before = got.lock().expect("lock").len();
-    let _restarted = start_sessions(&stack, port, CALLBACK_ENV);
-    eventually("the session service again", ready)
-        .await
-        .expect("ready");
+    let _restarted = start_ready_sessions(&stack, port, CALLBACK_ENV).await;
     eventually("the delivery after the restart", || async {
         let log = get_json(&format!("{base}/api/tasks/{id}/callbacks"))
             .await

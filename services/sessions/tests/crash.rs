@@ -6,13 +6,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use aip_testkit::Client;
 use aip_testkit::frames::{command_results_for, device_register};
-use aip_testkit::{Backend, Client, Options, Stack};
 
 use serde_json::{Value, json};
 
 mod common;
-use common::{free_port, start_sessions};
+use common::{free_port, stack_without_sessions, start_ready_sessions, start_sessions};
 
 const TASKS: usize = 20;
 const STEPS: usize = 4;
@@ -41,25 +41,10 @@ async fn get_json(url: &str) -> Option<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_flight_loses_nothing_and_runs_nothing_twice() {
-    let stack = Stack::start(
-        Backend::NatsPostgres,
-        Options {
-            sessions: false,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = stack_without_sessions().await;
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let mut sessions = start_sessions(&stack, port, &[]);
-    wait_for("the session service", Duration::from_secs(30), || async {
-        reqwest::get(format!("{base}/readyz"))
-            .await
-            .ok()
-            .filter(|r| r.status().is_success())
-    })
-    .await;
+    let mut sessions = start_ready_sessions(&stack, port, &[]).await;
 
     // 20 devices that answer every command after a short pause, recording what they ran.
     let executed: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();

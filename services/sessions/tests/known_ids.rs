@@ -6,32 +6,16 @@
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register, one_step,
 };
-use aip_testkit::{Backend, Client, Options, Stack, eventually, post_json};
+use aip_testkit::{Client, post_json};
 use serde_json::{Value, json};
 
 mod common;
-use common::{Process, free_port, start_sessions};
+use common::{free_port, stack_without_sessions, start_ready_sessions};
 
 const DEVICE: &str = "known-device";
 const GALAXY: &str = "known-galaxy";
 const OTHER: &str = "known-other-galaxy";
 const KEPT: &str = "kept-1";
-
-/// Starts the session service and waits until it leads.
-async fn sessions(stack: &Stack, port: u16) -> Process {
-    let process = start_sessions(stack, port, &[]);
-    let ready = format!("http://127.0.0.1:{port}/readyz");
-    eventually("the session service to be ready", || async {
-        reqwest::get(&ready)
-            .await
-            .ok()
-            .filter(|r| r.status().is_success())
-            .map(|_| ())
-    })
-    .await
-    .expect("ready");
-    process
-}
 
 /// `aip_sessions_task_id_lookups_total` with this `outcome`, from the service's metrics.
 async fn lookups(base: &str, outcome: &str) -> u64 {
@@ -60,18 +44,10 @@ async fn next_of(client: &mut Client, kind: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_id_taken_before_a_restart_is_refused_and_new_ids_are_not_looked_up() {
-    let stack = Stack::start(
-        Backend::NatsPostgres,
-        Options {
-            sessions: false,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = stack_without_sessions().await;
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let first = sessions(&stack, port).await;
+    let first = start_ready_sessions(&stack, port, &[]).await;
 
     let mut device = Client::registered(&stack.ws_url(0), device_register(DEVICE, "linux")).await;
     stack.wait_online(DEVICE).await;
@@ -103,7 +79,7 @@ async fn an_id_taken_before_a_restart_is_refused_and_new_ids_are_not_looked_up()
 
     // A new process leads: what it knows of ended tasks comes from the database only.
     drop(first);
-    let _second = sessions(&stack, port).await;
+    let _second = start_ready_sessions(&stack, port, &[]).await;
 
     // Once its filter is built, a new id is not looked up (here, a task for a device that is
     // not connected, refused without being started).

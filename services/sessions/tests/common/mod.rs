@@ -5,7 +5,7 @@
 
 use std::process::{Child, Command, Stdio};
 
-use aip_testkit::{Stack, nats_url};
+use aip_testkit::{Backend, Options, Stack, eventually, nats_url};
 
 /// Kills the process when the test ends, however it ends.
 pub struct Process(pub Child);
@@ -47,4 +47,33 @@ pub fn start_sessions(stack: &Stack, port: u16, envs: &[(&str, &str)]) -> Proces
         .spawn()
         .expect("start aip-sessions");
     Process(child)
+}
+
+/// A stack on NATS and PostgreSQL whose session service the test starts (and kills) itself.
+pub async fn stack_without_sessions() -> Stack {
+    Stack::start(
+        Backend::NatsPostgres,
+        Options {
+            sessions: false,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack")
+}
+
+/// Starts `aip-sessions` as [`start_sessions`] does, and waits until it is ready.
+pub async fn start_ready_sessions(stack: &Stack, port: u16, envs: &[(&str, &str)]) -> Process {
+    let process = start_sessions(stack, port, envs);
+    let ready = format!("http://127.0.0.1:{port}/readyz");
+    eventually("the session service to be ready", || async {
+        reqwest::get(&ready)
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(|_| ())
+    })
+    .await
+    .expect("ready");
+    process
 }
