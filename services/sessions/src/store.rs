@@ -963,10 +963,11 @@ impl Batch {
 /// (SQLite allows 32,766, PostgreSQL 65,535).
 const IDS_PER_STATEMENT: usize = 500;
 
-/// Splits rows into slices of a few fixed sizes (256, 32, 4 and 1 rows), so a multi-row
-/// statement has one of a few texts and stays in the connection's prepared-statement cache
-/// instead of being parsed again for every batch size. (256 rows × 31 columns stays under
-/// SQLite's bind-parameter limit.)
+/// Splits rows into slices of a few fixed sizes (256, 32, 4 and 1 rows) for SQLite's
+/// multi-row statements (256 rows × 36 columns stays under its bind-parameter limit). The
+/// sizes once kept each statement's text in the prepared-statement cache; a group is now one
+/// uncached text ([`write_sqlite`]), and plain 256-row slices measured no better (session 34,
+/// `docs/benchmarks.md`), so they stay.
 fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
     let mut chunks = Vec::new();
     for size in [256, 32, 4, 1] {
