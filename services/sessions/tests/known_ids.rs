@@ -32,6 +32,20 @@ async fn lookups(base: &str, outcome: &str) -> u64 {
         .map_or(0, |value| value as u64)
 }
 
+/// `from` (a constellation) asks for a one-step task on `target` under `session`.
+async fn send_task(client: &mut Client, from: &str, target: &str, session: &str) {
+    client
+        .send(&constellation_task(
+            from,
+            target,
+            session,
+            "t",
+            Some(one_step("echo", json!({}))),
+        ))
+        .await
+        .expect("task");
+}
+
 /// The next frame of `kind`, skipping others.
 async fn next_of(client: &mut Client, kind: &str) -> Value {
     loop {
@@ -58,16 +72,7 @@ async fn an_id_taken_before_a_restart_is_refused_and_new_ids_are_not_looked_up()
     .await;
 
     // A task that runs and ends under the first process.
-    galaxy
-        .send(&constellation_task(
-            GALAXY,
-            DEVICE,
-            KEPT,
-            "kept",
-            Some(one_step("echo", json!({}))),
-        ))
-        .await
-        .expect("task");
+    send_task(&mut galaxy, GALAXY, DEVICE, KEPT).await;
     let command = next_of(&mut device, "command").await;
     device
         .send(&command_results_for(DEVICE, &command))
@@ -87,16 +92,13 @@ async fn an_id_taken_before_a_restart_is_refused_and_new_ids_are_not_looked_up()
     while lookups(&base, "skipped").await == 0 {
         attempt += 1;
         assert!(attempt <= 300, "the filter of known ids was never built");
-        galaxy
-            .send(&constellation_task(
-                GALAXY,
-                "ghost",
-                &format!("ghost-task-{attempt}"),
-                "t",
-                Some(one_step("echo", json!({}))),
-            ))
-            .await
-            .expect("task");
+        send_task(
+            &mut galaxy,
+            GALAXY,
+            "ghost",
+            &format!("ghost-task-{attempt}"),
+        )
+        .await;
         let end = next_of(&mut galaxy, "task_end").await;
         assert_eq!(end["status"], "failed", "{end}");
     }
@@ -108,16 +110,7 @@ async fn an_id_taken_before_a_restart_is_refused_and_new_ids_are_not_looked_up()
         constellation_register(OTHER, Some(DEVICE)),
     )
     .await;
-    other
-        .send(&constellation_task(
-            OTHER,
-            DEVICE,
-            KEPT,
-            "again",
-            Some(one_step("echo", json!({}))),
-        ))
-        .await
-        .expect("task");
+    send_task(&mut other, OTHER, DEVICE, KEPT).await;
     let error = next_of(&mut other, "error").await;
     assert_eq!(error["metadata"]["error_code"], "CONFLICT", "{error}");
     assert_eq!(
