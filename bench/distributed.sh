@@ -5,7 +5,10 @@
 # off, runs bench/matrix.sh against them, then stops them, deletes the prefix's JetStream
 # streams and drops the database.
 #
-# Usage: bench/distributed.sh [--gateways 1|2]
+# Usage: bench/distributed.sh [--gateways 1|2] [--own-postgres]
+#
+# --own-postgres (or BENCH_OWN_POSTGRES=1; root): instead of the machine's PostgreSQL, a
+# throwaway cluster with the server's defaults (autovacuum on), reached over TCP on 127.0.0.1.
 #
 # With 2 gateways each run is one `aip bench` process given both gateways' URLs: it spreads
 # its clients over them, and every constellation drives a device on the other gateway.
@@ -19,12 +22,14 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 GATEWAYS=1
+OWN_POSTGRES="${BENCH_OWN_POSTGRES:-0}"
 while (($#)); do
   case "$1" in
+    --own-postgres) OWN_POSTGRES=1; shift ;;
     --gateways) GATEWAYS="${2:-}"; shift 2 || { echo "--gateways needs a value" >&2; exit 2; } ;;
     --gateways=*) GATEWAYS="${1#*=}"; shift ;;
-    -h | --help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "distributed.sh: unknown argument $1 (usage: bench/distributed.sh [--gateways 1|2])" >&2; exit 2 ;;
+    -h | --help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "distributed.sh: unknown argument $1 (usage: bench/distributed.sh [--gateways 1|2] [--own-postgres])" >&2; exit 2 ;;
   esac
 done
 [[ "$GATEWAYS" == 1 || "$GATEWAYS" == 2 ]] ||
@@ -32,10 +37,15 @@ done
 
 bench_init
 require_bins aip aip-gateway aip-registry aip-sessions
-check_infra
 
 MODE="distributed-${GATEWAYS}gw"
 DIR="$(prepare_mode_dir "$MODE")"
+POSTGRES="this machine's server at $BENCH_PG_HOST:$BENCH_PG_PORT"
+if [[ "$OWN_POSTGRES" == 1 ]]; then
+  start_own_postgres "$DIR/logs" tcp
+  POSTGRES="a throwaway cluster with the server's defaults at 127.0.0.1:$BENCH_PG_PORT"
+fi
+check_infra
 record_machine "$DIR" infra
 pg_create_db "${GATEWAYS}gw"
 new_prefix
@@ -74,13 +84,13 @@ for ((g = 1; g <= GATEWAYS; g++)); do
   URL_ARGS+=(--url "ws://127.0.0.1:$port/ws")
 done
 
-python3 - "$DIR/run.json" "$MODE" "$GATEWAYS" "${COMMANDS[@]}" <<'PY'
+python3 - "$DIR/run.json" "$MODE" "$GATEWAYS" "$POSTGRES" "${COMMANDS[@]}" <<'PY'
 import json, sys
-out, mode, gateways = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, mode, gateways, postgres = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 json.dump({"mode": mode, "gateways": gateways,
            "description": f"distributed: aip-registry, aip-sessions and {gateways} "
-                          "aip-gateway on NATS (JetStream) and PostgreSQL",
-           "broker_commands": [json.loads(c) for c in sys.argv[4:]]},
+                          f"aip-gateway on NATS (JetStream) and PostgreSQL ({postgres})",
+           "broker_commands": [json.loads(c) for c in sys.argv[5:]]},
           open(out, "w"), indent=2)
 PY
 

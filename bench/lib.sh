@@ -209,10 +209,44 @@ check_infra() {
       "Start it with ./scripts/ensure-services.sh"
 }
 
-# pg_create_db TAG: creates aip_bench_TAG_<random>, dropped on exit; sets BENCH_DB.
+# start_own_postgres LOGDIR TRANSPORT: `initdb` a throwaway PostgreSQL cluster with the
+# server's defaults (autovacuum on, fsync and synchronous_commit on, no TLS) in a temporary
+# directory, start it and point BENCH_PG_* at it. TRANSPORT: `tcp` (127.0.0.1, a free port:
+# what compose and Kubernetes use) or `socket` (its directory only). Needs root: initdb runs
+# as the postgres user. On exit the cluster is stopped and its directory removed; its
+# databases are not dropped one by one.
+start_own_postgres() {
+  local logdir="$1" transport="$2" pg_dir listen=""
+  [[ "$(id -u)" -eq 0 ]] || die "an own PostgreSQL cluster needs root (initdb runs as postgres)"
+  local pg_bin="${PG_BIN:-/usr/lib/postgresql/15/bin}"
+  [[ -x "$pg_bin/initdb" ]] || die "no initdb in $pg_bin (set PG_BIN to PostgreSQL's bin directory)"
+  make_tmpdir
+  chmod 755 "$BENCH_TMPDIR"
+  pg_dir="$BENCH_TMPDIR/pg"
+  mkdir "$pg_dir" && chown postgres:postgres "$pg_dir"
+  runuser -u postgres -- "$pg_bin/initdb" -D "$pg_dir" -A trust -U postgres >"$logdir/initdb.log" 2>&1 ||
+    die "initdb failed; see $logdir/initdb.log"
+  BENCH_PG_PORT="$(free_port)"
+  BENCH_PG_USER=postgres
+  case "$transport" in
+    tcp) BENCH_PG_HOST=127.0.0.1 BENCH_PG_SOCKET_DIR="" listen=127.0.0.1 ;;
+    socket) BENCH_PG_HOST="$pg_dir" BENCH_PG_SOCKET_DIR="$pg_dir" ;;
+    *) die "start_own_postgres: transport must be tcp or socket, got '$transport'" ;;
+  esac
+  start_proc postgres "$logdir/postgres.log" runuser -u postgres -- "$pg_bin/postgres" \
+    -D "$pg_dir" -p "$BENCH_PG_PORT" -k "$pg_dir" -c listen_addresses="$listen"
+  local _
+  for _ in $(seq 100); do psql_admin -tAc 'SELECT 1' >/dev/null 2>&1 && break; sleep 0.1; done
+  BENCH_OWN_PG=1
+  log "own PostgreSQL cluster in $pg_dir, port $BENCH_PG_PORT over $transport (server defaults)"
+}
+BENCH_OWN_PG=0
+
+# pg_create_db TAG: creates aip_bench_TAG_<random>, dropped on exit (with the cluster, for an
+# own cluster); sets BENCH_DB.
 pg_create_db() {
   BENCH_DB="aip_bench_${1}_$(random_suffix)"
-  BENCH_DATABASES+=("$BENCH_DB")
+  if [[ "$BENCH_OWN_PG" != 1 ]]; then BENCH_DATABASES+=("$BENCH_DB"); fi
   psql_admin -c "CREATE DATABASE \"$BENCH_DB\"" >/dev/null ||
     die "could not create database $BENCH_DB"
   log "created database $BENCH_DB"

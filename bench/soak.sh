@@ -44,26 +44,10 @@ require_bins aip aip-gateway aip-registry aip-sessions
 DIR="$BENCH_RESULTS_DIR/soak-$(date +%Y%m%dT%H%M%S)"
 mkdir -p "$DIR/logs"
 
-if [[ "$OWN_POSTGRES" == 1 ]]; then
-  [[ "$(id -u)" -eq 0 ]] || die "--own-postgres needs root (initdb runs as postgres)"
-  PG_BIN="${PG_BIN:-/usr/lib/postgresql/15/bin}"
-  make_tmpdir
-  chmod 755 "$BENCH_TMPDIR"
-  pg_dir="$BENCH_TMPDIR/pg"
-  mkdir "$pg_dir" && chown postgres:postgres "$pg_dir"
-  runuser -u postgres -- "$PG_BIN/initdb" -D "$pg_dir" -A trust -U postgres >"$DIR/logs/initdb.log" 2>&1 ||
-    die "initdb failed; see $DIR/logs/initdb.log"
-  BENCH_PG_PORT="$(free_port)" BENCH_PG_HOST="$pg_dir" BENCH_PG_SOCKET_DIR="$pg_dir"
-  start_proc postgres "$DIR/logs/postgres.log" runuser -u postgres -- "$PG_BIN/postgres" \
-    -D "$pg_dir" -p "$BENCH_PG_PORT" -k "$pg_dir" -c listen_addresses=''
-  for _ in $(seq 100); do psql_admin -tAc 'SELECT 1' >/dev/null 2>&1 && break; sleep 0.1; done
-  log "own PostgreSQL cluster in $pg_dir, port $BENCH_PG_PORT (server defaults)"
-fi
+if [[ "$OWN_POSTGRES" == 1 ]]; then start_own_postgres "$DIR/logs" socket; fi
 check_infra
 record_machine "$DIR" infra
 pg_create_db soak
-# The throwaway cluster goes with its directory; there is nothing to drop.
-if [[ "$OWN_POSTGRES" == 1 ]]; then BENCH_DATABASES=(); fi
 new_prefix
 log "soak: database $BENCH_DB, subject prefix $BENCH_PREFIX, $DURATION s in windows of $WINDOW s"
 
