@@ -235,8 +235,12 @@ start_own_postgres() {
   esac
   start_proc postgres "$logdir/postgres.log" runuser -u postgres -- "$pg_bin/postgres" \
     -D "$pg_dir" -p "$BENCH_PG_PORT" -k "$pg_dir" -c listen_addresses="$listen"
-  local _
-  for _ in $(seq 100); do psql_admin -tAc 'SELECT 1' >/dev/null 2>&1 && break; sleep 0.1; done
+  local _ ready=0
+  for _ in $(seq 100); do
+    if psql_admin -tAc 'SELECT 1' >/dev/null 2>&1; then ready=1; break; fi
+    sleep 0.1
+  done
+  ((ready)) || die "the own PostgreSQL cluster did not accept connections within 10 s; see $logdir/postgres.log"
   BENCH_OWN_PG=1
   log "own PostgreSQL cluster in $pg_dir, port $BENCH_PG_PORT over $transport (server defaults)"
 }
