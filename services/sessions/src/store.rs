@@ -963,21 +963,69 @@ impl Batch {
 /// (SQLite allows 32,766, PostgreSQL 65,535).
 const IDS_PER_STATEMENT: usize = 500;
 
-/// Splits rows into slices of a few fixed sizes (256, 32, 4 and 1 rows) for SQLite's
-/// multi-row statements (256 rows × 36 columns stays under its bind-parameter limit). The
-/// sizes once kept each statement's text in the prepared-statement cache; a group is now one
-/// uncached text ([`write_sqlite`]), and plain 256-row slices measured no better (session 34,
-/// `docs/benchmarks.md`), so they stay.
-fn sized_chunks<T>(mut rows: &[T]) -> Vec<&[T]> {
-    let mut chunks = Vec::new();
-    for size in [256, 32, 4, 1] {
-        while rows.len() >= size {
-            let (head, tail) = rows.split_at(size);
-            chunks.push(head);
-            rows = tail;
+/// Rows per statement of SQLite's group texts. A group whose every table has at most the
+/// largest of these rows is written with one statement per table, of the smallest of these
+/// sizes that holds the longest table; the rows a table lacks are NULL rows its statement
+/// skips. Four sizes give four texts, each prepared once and kept by sqlx, where a text made
+/// to each group's measure was parsed again every time (a fifth of the writer's time at 100
+/// clients). A larger group is written in slices of the largest size, with a text of its own.
+const LITE_GROUP_ROWS: [usize; 4] = [4, 16, 64, 256];
+
+/// How a group is laid out on SQLite: rows per statement, and whether the text is one of the
+/// few kept (one statement per table, however few rows it has).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LiteShape {
+    rows: usize,
+    kept: bool,
+}
+
+impl LiteShape {
+    /// The shape for a group whose longest table has `longest` rows.
+    fn of(longest: usize) -> Self {
+        match LITE_GROUP_ROWS.iter().find(|&&rows| rows >= longest) {
+            Some(&rows) => LiteShape { rows, kept: true },
+            None => LiteShape {
+                rows: LITE_GROUP_ROWS[LITE_GROUP_ROWS.len() - 1],
+                kept: false,
+            },
         }
     }
-    chunks
+
+    /// The slices of `rows`, each written by one statement of [`Self::rows`] rows: exactly
+    /// one (perhaps empty) for a kept text.
+    fn slices<'a, T>(&self, rows: &'a [T]) -> Vec<&'a [T]> {
+        if self.kept {
+            return vec![rows];
+        }
+        rows.chunks(self.rows).collect()
+    }
+}
+
+/// Appends `SELECT * FROM (VALUES …) WHERE column1 IS NOT NULL` with `shape.rows` rows of
+/// `columns` values: `rows` bound by `bind`, then NULL rows, which the `WHERE` skips (every
+/// table's first column is a key, never NULL).
+fn push_padded_rows<'args, T>(
+    q: &mut sqlx::QueryBuilder<'args, sqlx::Sqlite>,
+    shape: LiteShape,
+    columns: usize,
+    rows: &[T],
+    mut bind: impl FnMut(&mut sqlx::query_builder::Separated<'_, 'args, sqlx::Sqlite, &'static str>, &T),
+) {
+    q.push("SELECT * FROM (VALUES ");
+    for i in 0..shape.rows {
+        q.push(if i == 0 { "(" } else { ", (" });
+        let mut values = q.separated(", ");
+        match rows.get(i) {
+            Some(row) => bind(&mut values, row),
+            None => {
+                for _ in 0..columns {
+                    values.push_bind(None::<i64>);
+                }
+            }
+        }
+        q.push(")");
+    }
+    q.push(") WHERE column1 IS NOT NULL");
 }
 
 /// The leadership of a deployment's session service, as one replica claims it.
@@ -1099,7 +1147,10 @@ pub struct Apart {
     written: apart::Written,
 }
 
-/// Writes a batch on SQLite with multi-row statements of a few fixed sizes.
+/// Writes a batch on SQLite: the whole group is one text of statements, from `BEGIN` to
+/// `COMMIT`, run in one call (sqlx runs SQLite on a worker thread of its own, and every call
+/// is a hand-over to that thread and back: a group of 50 tasks was some 30 calls), and the
+/// text is one of a few kept prepared ([`LITE_GROUP_ROWS`]).
 async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Result<(), StoreError> {
     let rows = batch
         .tasks
@@ -1112,13 +1163,23 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         .map(|t| (t.task_id.as_str(), &**t))
         .collect();
     let now = now_ms();
-    // The whole group is one text of statements, from `BEGIN` to `COMMIT`, run in one call:
-    // sqlx runs SQLite on a worker thread of its own, and every call is a hand-over to that
-    // thread and back (a group of 50 tasks was some 30 calls).
+    let shape = LiteShape::of(
+        [
+            rows.len(),
+            batch.events.len(),
+            batch.processed.len(),
+            batch.outbox.len(),
+            batch.published.len(),
+            batch.callbacks.len(),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or_default(),
+    );
     let mut q = sqlx::QueryBuilder::<sqlx::Sqlite>::new("BEGIN IMMEDIATE; ");
-    for chunk in sized_chunks(&rows) {
+    for slice in shape.slices(&rows) {
         q.push(LITE_INSERT_TASKS.as_str());
-        q.push_values(chunk, |mut b, row| {
+        push_padded_rows(&mut q, shape, COLUMNS.len(), slice, |b, row| {
             for cell in row {
                 match cell {
                     Cell::Text(v) => b.push_bind(v.clone()),
@@ -1131,9 +1192,9 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         q.push(LITE_UPSERT_TAIL.as_str());
         q.push("; ");
     }
-    for rows in sized_chunks(&batch.events) {
+    for slice in shape.slices(&batch.events) {
         q.push("INSERT INTO task_events (task_id, seq, at_ms, kind, state, data) ");
-        q.push_values(rows, |mut b, e| {
+        push_padded_rows(&mut q, shape, 6, slice, |b, e| {
             b.push_bind(e.task_id.clone())
                 .push_bind(e.seq)
                 .push_bind(e.at_ms)
@@ -1149,19 +1210,19 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         });
         q.push("; ");
     }
-    for ids in sized_chunks(&batch.processed) {
+    for slice in shape.slices(&batch.processed) {
         q.push("INSERT INTO processed_messages (msg_id, at_ms) ");
-        q.push_values(ids, |mut b, id| {
+        push_padded_rows(&mut q, shape, 2, slice, |b, id| {
             b.push_bind(id.clone()).push_bind(now);
         });
         q.push(" ON CONFLICT (msg_id) DO NOTHING; ");
     }
-    for rows in sized_chunks(&batch.outbox) {
+    for slice in shape.slices(&batch.outbox) {
         q.push(
             "INSERT INTO task_outbox (msg_id, subject, connection_id, payload, payload_kind, \
              created_ms) ",
         );
-        q.push_values(rows, |mut b, f| {
+        push_padded_rows(&mut q, shape, 6, slice, |b, f| {
             let (kind, payload) = stored_payload(f);
             b.push_bind(f.msg_id.clone())
                 .push_bind(f.subject.clone())
@@ -1172,25 +1233,25 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         });
         q.push("; ");
     }
-    for ids in sized_chunks(&batch.published) {
+    for slice in shape.slices(&batch.published) {
+        // NULLs in the list match no row.
         q.push("DELETE FROM task_outbox WHERE msg_id IN (");
         let mut list = q.separated(", ");
-        for id in ids {
-            list.push_bind(id.clone());
+        for i in 0..shape.rows {
+            list.push_bind(slice.get(i).cloned());
         }
         q.push("); ");
     }
-    if let Some(before) = batch.prune_processed_before {
-        q.push("DELETE FROM processed_messages WHERE at_ms < ");
-        q.push_bind(before);
-        q.push("; ");
-    }
-    for rows in sized_chunks(&batch.callbacks) {
+    // A NULL bound deletes nothing.
+    q.push("DELETE FROM processed_messages WHERE at_ms < ");
+    q.push_bind(batch.prune_processed_before);
+    q.push("; ");
+    for slice in shape.slices(&batch.callbacks) {
         q.push(
             "INSERT INTO task_callbacks (callback_id, task_id, target, payload, state, \
              next_attempt_ms, created_ms, updated_ms) ",
         );
-        q.push_values(rows, |mut b, c| {
+        push_padded_rows(&mut q, shape, 8, slice, |b, c| {
             b.push_bind(c.callback_id.clone())
                 .push_bind(c.task_id.clone())
                 .push_bind(c.target.clone())
@@ -1203,8 +1264,7 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         q.push(" ON CONFLICT (callback_id) DO NOTHING; ");
     }
     q.push("COMMIT");
-    // Its text differs with every group's make-up: prepared, run and dropped.
-    let written = q.build().persistent(false).execute(&mut *conn).await;
+    let written = q.build().persistent(shape.kept).execute(&mut *conn).await;
     if let Err(e) = written {
         // A statement that failed stops the text before its `COMMIT`.
         if let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut *conn).await {
@@ -1963,18 +2023,57 @@ mod tests {
     }
 
     #[test]
-    fn rows_are_split_into_a_few_fixed_sizes_and_none_is_lost() {
-        for n in [0usize, 1, 3, 4, 5, 31, 32, 33, 100, 255, 256, 257, 1000] {
+    fn a_group_takes_the_smallest_kept_shape_and_a_larger_one_is_sliced_whole() {
+        assert_eq!(
+            LiteShape::of(0),
+            LiteShape {
+                rows: 4,
+                kept: true
+            }
+        );
+        assert_eq!(
+            LiteShape::of(5),
+            LiteShape {
+                rows: 16,
+                kept: true
+            }
+        );
+        assert_eq!(
+            LiteShape::of(256),
+            LiteShape {
+                rows: 256,
+                kept: true
+            }
+        );
+        let large = LiteShape::of(257);
+        assert_eq!(
+            large,
+            LiteShape {
+                rows: 256,
+                kept: false
+            }
+        );
+        for (n, shape) in [
+            (0usize, LiteShape::of(0)),
+            (3, LiteShape::of(3)),
+            (600, large),
+        ] {
             let rows: Vec<usize> = (0..n).collect();
-            let chunks = sized_chunks(&rows);
-            let joined: Vec<usize> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
-            assert_eq!(joined, rows, "n = {n}");
-            assert!(
-                chunks.iter().all(|c| [256, 32, 4, 1].contains(&c.len())),
-                "n = {n}"
-            );
+            let slices = shape.slices(&rows);
+            let joined: Vec<usize> = slices.iter().flat_map(|c| c.iter().copied()).collect();
+            assert_eq!(joined, rows, "n = {n}: no row lost or repeated");
+            assert!(slices.iter().all(|s| s.len() <= shape.rows), "n = {n}");
+            if shape.kept {
+                assert_eq!(
+                    slices.len(),
+                    1,
+                    "one statement per table, even an empty one"
+                );
+            }
         }
-        assert_eq!(sized_chunks(&[0u8; 100]).len(), 4, "32 × 3 + 4");
+        // The largest text stays under SQLite's bind-parameter limit (32,766).
+        let per_row = COLUMNS.len() + 6 + 2 + 6 + 1 + 8;
+        assert!(per_row * LITE_GROUP_ROWS[LITE_GROUP_ROWS.len() - 1] + 1 < 32_766);
     }
 
     #[test]

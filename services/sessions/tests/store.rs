@@ -599,6 +599,65 @@ async fn a_failed_group_writes_nothing_and_the_next_one_is_written(backend: Back
 
 both_backends!(a_failed_group_writes_nothing_and_the_next_one_is_written);
 
+/// Groups of every size are written whole and nothing else: on SQLite a group is padded to one
+/// of a few statement sizes (up to 256 rows per table) with rows that must not be written,
+/// and a larger group is written in slices.
+async fn groups_of_every_size_are_written_whole(backend: Backend) {
+    let (db, _database, store, mut writer, mut machine) = leading(backend).await;
+    let mut ids = Vec::new();
+    let mut events = 0;
+    let mut outbox = 0;
+    for size in [1usize, 4, 5, 17, 64, 65, 300] {
+        for i in 0..size {
+            let id = format!("g{size}-{i}");
+            machine
+                .submit(
+                    new_task(
+                        &id,
+                        "n",
+                        Requester::Rest("ops".into()),
+                        &format!("d{size}-{i}"),
+                        scripted(1),
+                    ),
+                    None,
+                )
+                .expect("starts");
+            ids.push(id);
+        }
+        let batch = commit(&mut machine, &mut writer).await;
+        assert_eq!(batch.tasks.len(), size, "a group of {size} tasks");
+        events += batch.events.len();
+        outbox += batch.outbox.len();
+    }
+    let listed = store
+        .list(ListFilter {
+            limit: 10_000,
+            ..ListFilter::default()
+        })
+        .await
+        .expect("lists");
+    let mut listed: Vec<String> = listed.into_iter().map(|t| t.task_id).collect();
+    listed.sort();
+    ids.sort();
+    assert_eq!(listed, ids, "every task once, and no other row");
+    let mut stored_events = 0;
+    for id in &ids {
+        let task_events = store.events(id, 0, 100).await.expect("events");
+        assert!(!task_events.is_empty(), "{id} has its events");
+        stored_events += task_events.len();
+    }
+    assert_eq!(stored_events, events, "every event once");
+    let frames = store
+        .stale_outbox(now_ms() + 60_000, &[], 10_000)
+        .await
+        .expect("reads the outbox");
+    assert_eq!(frames.len(), outbox, "every outgoing frame once");
+    drop(writer);
+    db.cleanup().await;
+}
+
+both_backends!(groups_of_every_size_are_written_whole);
+
 /// A client's NUL (which PostgreSQL's text and jsonb refuse) is stored as U+FFFD, so it cannot
 /// fail the group commit it shares with other clients' changes.
 async fn text_with_nul_is_stored(backend: Backend) {
