@@ -105,7 +105,8 @@ scenario_args() {
       if [[ "$BENCH_QUICK" == 1 ]]; then hold=1
       elif ((c >= 10000)); then hold=10
       else hold=5; fi
-      echo "connect --n $c --hold $hold"
+      # One loopback source address per 20,000 devices: each has about 28,000 ephemeral ports.
+      echo "connect --n $c --hold $hold --source-addresses $((c / 20000 + 1))"
       return
       ;;
   esac

@@ -204,26 +204,31 @@ pub struct SubjectSpec {
 pub const CATALOGUE: &[SubjectSpec] = &[
     SubjectSpec {
         name: "deliver",
-        template: "deliver.{client}",
+        template: "deliver.{gateway}",
         pattern: Pattern::Publish,
         payload: "ServerMessage",
         reply: None,
         publishers: &["aip-sessions", "aip-gateway"],
         consumers: &["aip-gateway (the one holding the client's socket)"],
-        description: "Frames for one client: whatever is published here is written to that client's \
-            WebSocket by the gateway that holds it. A message with header `Aip-Control: disconnect` and \
-            `Aip-Connection: <connection id>` closes that connection instead (used when a credential \
-            takes over its own stale registration). A frame from the session service's outbox carries \
-            `Nats-Msg-Id` and `Aip-Ack: <subject>`: the gateway answers on that subject once it wrote \
-            the frame (a copy it already wrote is dropped and answered again), and the session \
-            service sends the frame again until it hears so. A frame for a task's executor also \
-            carries `Aip-Connection: <connection id>`, the connection the task is bound to: \
+        description: "Frames for the clients one gateway holds: the gateway subscribes to its own \
+            subject once, and writes each message to the WebSocket of the client named in its \
+            `Aip-Client` header (a message for a client it does not hold is dropped, unanswered). \
+            Publishers find the gateway in the registry's record of the client (`gateway_id`), or \
+            in the frames the client sent (`InboundFrame.gateway_id`). A message with header \
+            `Aip-Control: disconnect` and `Aip-Connection: <connection id>` closes that connection \
+            instead (used when a credential takes over its own stale registration). A frame from \
+            the session service's outbox carries `Nats-Msg-Id` and `Aip-Ack: <subject>`: the \
+            gateway answers on that subject once it wrote the frame (a copy it already wrote is \
+            dropped and answered again), and the session service sends the frame again, to the \
+            gateway the registry then names, until it hears so. A frame for a task's executor \
+            also carries `Aip-Connection: <connection id>`, the connection the task is bound to: \
             another connection of the client drops it (and answers), so a command sent again \
             after a gateway's crash never runs twice. A request with header \
-            `Aip-Control: device-info` (empty payload) is answered by the gateway holding a device, \
-            for a constellation on another gateway: the device's registered system information as \
-            JSON, or `Aip-Error-Code: DEVICE_NOT_FOUND` with the reason as text; nothing reaches \
-            the client.",
+            `Aip-Control: device-info` (empty payload) is answered by the gateway for the device \
+            named in `Aip-Client`, for a constellation on another gateway: the device's \
+            registered system information as JSON, `Aip-Error-Code: DEVICE_NOT_FOUND` with the \
+            reason as text, or `Aip-Control: not-held` when the gateway does not hold the device \
+            (the asker then asks the registry); nothing reaches the client.",
     },
     SubjectSpec {
         name: "sessions.acks",
@@ -458,9 +463,10 @@ impl Subjects {
         format!("{}.{rest}", self.prefix)
     }
 
-    /// `deliver.{client}`: frames for one client.
-    pub fn deliver(&self, client_id: &str) -> String {
-        self.join(&format!("deliver.{}", encode_token(client_id)))
+    /// `deliver.{gateway}`: frames for the clients one gateway holds (each message names its
+    /// client in `Aip-Client`).
+    pub fn deliver(&self, gateway_id: &str) -> String {
+        self.join(&format!("deliver.{}", encode_token(gateway_id)))
     }
 
     /// `registry.register`.
@@ -582,7 +588,7 @@ impl Subjects {
         };
         for (family, placeholder) in [
             ("frames.", "{client}"),
-            ("deliver.", "{client}"),
+            ("deliver.", "{gateway}"),
             ("presence.", "{gateway}"),
             ("sessions.acks.", "{replica}"),
         ] {
@@ -605,7 +611,7 @@ mod tests {
         );
         assert_eq!(
             subjects.template(&subjects.deliver("g@dev")),
-            "t1.aip.deliver.{client}"
+            "t1.aip.deliver.{gateway}"
         );
         assert_eq!(
             subjects.template(&subjects.registry_get_many()),

@@ -149,6 +149,11 @@ pub struct ConnectArgs {
     /// Connections being set up at once.
     #[arg(long, default_value_t = 200, value_parser = RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub setup_concurrency: usize,
+    /// Loopback addresses the devices connect from, 127.0.0.1 to 127.0.0.N, round robin. Each
+    /// brings the kernel's range of ephemeral ports again (about 28,000 by default), so more
+    /// devices than that can connect to one gateway. Needs a loopback --url.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=254))]
+    pub source_addresses: u8,
 }
 
 /// `aip bench heartbeat`.

@@ -77,9 +77,17 @@ fn config() -> WebSocketConfig {
 impl Conn {
     /// Opens the WebSocket to `gateway` (TCP with Nagle off, then the handshake).
     pub async fn connect(gateway: &Gateway) -> Result<Conn, WireError> {
+        Self::connect_from(gateway, None).await
+    }
+
+    /// Like [`Conn::connect`], from the local address `source`.
+    pub async fn connect_from(
+        gateway: &Gateway,
+        source: Option<std::net::IpAddr>,
+    ) -> Result<Conn, WireError> {
         let stream = gateway
             .addr
-            .connect()
+            .connect(source)
             .await
             .map_err(|e| WireError::Connect(e.to_string()))?;
         match tokio_tungstenite::client_async_with_config(

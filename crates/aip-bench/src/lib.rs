@@ -93,6 +93,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         }
     }
     monitor::check_pids(&options.server_pids)?;
+    if let Scenario::Connect(a) = &args.scenario
+        && a.source_addresses > 1
+        && let Some(remote) = target.gateways.iter().find(|g| !g.is_loopback())
+    {
+        anyhow::bail!(
+            "--source-addresses {} connects from 127.0.0.x, which reaches only a loopback \
+             --url; {} is not one",
+            a.source_addresses,
+            remote.shown
+        );
+    }
     target.probe_ws().await?;
     let timeout = Duration::from_secs(options.timeout_secs);
     let rest = if args.scenario.uses_rest() {

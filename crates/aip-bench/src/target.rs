@@ -139,15 +139,38 @@ pub(crate) enum ConnectAddr {
 }
 
 impl ConnectAddr {
-    /// Opens a TCP connection with Nagle off (small frames, latency matters).
-    pub async fn connect(&self) -> std::io::Result<TcpStream> {
-        let stream = match self {
-            ConnectAddr::Ip(addr) => TcpStream::connect(addr).await?,
-            ConnectAddr::Name(host, port) => TcpStream::connect((host.as_str(), *port)).await?,
+    /// Opens a TCP connection with Nagle off (small frames, latency matters), from `source`
+    /// if given (else the address the kernel picks).
+    pub async fn connect(&self, source: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
+        let stream = match (self, source) {
+            (ConnectAddr::Ip(addr), None) => TcpStream::connect(addr).await?,
+            (ConnectAddr::Name(host, port), None) => {
+                TcpStream::connect((host.as_str(), *port)).await?
+            }
+            (ConnectAddr::Ip(addr), Some(source)) => connect_from(*addr, source).await?,
+            (ConnectAddr::Name(host, port), Some(source)) => {
+                let addr = tokio::net::lookup_host((host.as_str(), *port))
+                    .await?
+                    .find(|a| a.is_ipv4() == source.is_ipv4())
+                    .ok_or_else(|| {
+                        std::io::Error::other(format!("{host} has no address like {source}"))
+                    })?;
+                connect_from(addr, source).await?
+            }
         };
         stream.set_nodelay(true)?;
         Ok(stream)
     }
+}
+
+/// A TCP connection to `addr` from `source` (any free port of it).
+async fn connect_from(addr: SocketAddr, source: std::net::IpAddr) -> std::io::Result<TcpStream> {
+    let socket = match source {
+        std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.bind(SocketAddr::new(source, 0))?;
+    socket.connect(addr).await
 }
 
 impl Gateway {
@@ -188,6 +211,11 @@ impl Gateway {
         })
     }
 
+    /// Whether it is on this machine's loopback interface.
+    pub fn is_loopback(&self) -> bool {
+        Url::parse(&self.shown).is_ok_and(|url| is_loopback(&url))
+    }
+
     /// Opens one WebSocket and closes it without registering: the gateway is there and
     /// accepts this run's token.
     async fn probe(&self) -> Result<(), TargetError> {
@@ -198,7 +226,7 @@ impl Gateway {
         };
         let stream = self
             .addr
-            .connect()
+            .connect(None)
             .await
             .map_err(|e| unreachable(e.to_string()))?;
         match tokio_tungstenite::client_async(self.ws.as_str(), stream).await {

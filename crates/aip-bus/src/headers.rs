@@ -10,12 +10,20 @@ pub mod names {
     pub const MSG_ID: &str = "Nats-Msg-Id";
     /// An [`proto_schemas::ErrorCode`] on error replies.
     pub const ERROR_CODE: &str = "Aip-Error-Code";
-    /// A control instruction on a delivery subject (`disconnect`, or [`DEVICE_INFO`]).
+    /// A control instruction on a delivery subject (`disconnect`, or [`DEVICE_INFO`]); on the
+    /// answer to a device-info request, [`NOT_HELD`].
     pub const CONTROL: &str = "Aip-Control";
-    /// [`CONTROL`] of a request on a device's delivery subject: the gateway holding the device
-    /// answers with the system information it registered with (the JSON as the payload), or
-    /// with [`ERROR_CODE`] `DEVICE_NOT_FOUND` and the reason as the payload. Nothing reaches
-    /// the device.
+    /// On a gateway's delivery subject: the client a message is for (the gateway writes it to
+    /// that client's connection, or asks about that device).
+    pub const CLIENT: &str = "Aip-Client";
+    /// [`CONTROL`] of the answer to a [`DEVICE_INFO`] request from a gateway that does not hold
+    /// the device: the asker asks the registry.
+    pub const NOT_HELD: &str = "not-held";
+    /// [`CONTROL`] of a request on a gateway's delivery subject about the device named in
+    /// [`CLIENT`]: the gateway holding the device answers with the system information it
+    /// registered with (the JSON as the payload), or with [`ERROR_CODE`] `DEVICE_NOT_FOUND`
+    /// and the reason as the payload; a gateway not holding it, with [`NOT_HELD`]. Nothing
+    /// reaches the device.
     pub const DEVICE_INFO: &str = "device-info";
     /// The connection a control instruction is about; on a frame for a client, the one
     /// connection of it that may receive the frame (another connection drops it).

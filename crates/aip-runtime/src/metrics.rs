@@ -69,7 +69,7 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
     (
         "aip_gateway_deliveries_total",
         Kind::Counter,
-        "Frames from the session service for clients, by `outcome` (written; duplicate and other_connection: dropped).",
+        "Frames from the session service for clients, by `outcome` (written; duplicate and other_connection: dropped; not_held: for a client this gateway does not hold, dropped unanswered; queue_full: the connection's queue of 256 was full).",
     ),
     (
         "aip_gateway_reads_paused_total",
@@ -115,6 +115,11 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "aip_sessions_live_tasks",
         Kind::Gauge,
         "Tasks not ended, held by the leader.",
+    ),
+    (
+        "aip_sessions_frames_unrouted_total",
+        Kind::Counter,
+        "Outbox frames not published because the registry knows no connection of their client (they wait in the outbox and are sent again).",
     ),
     (
         "aip_sessions_task_id_lookups_total",

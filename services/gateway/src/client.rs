@@ -9,8 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aip_bus::{RecentIds, Subscription};
-use futures::StreamExt;
+use aip_bus::RecentIds;
 use proto_schemas::{ClientMessage, ErrorCode, FrameError, server};
 
 use crate::AppState;
@@ -97,9 +96,9 @@ pub(crate) struct Client {
 
 /// What registration sets up for the registered phase.
 pub(crate) struct Registration {
-    /// What is published for this client; subscribed before the registration is confirmed,
-    /// so nothing published right after it is lost.
-    pub(crate) deliveries: Subscription,
+    /// What is published for this client; opened before the registration is confirmed, so
+    /// nothing published right after it is lost.
+    pub(crate) deliveries: crate::deliveries::Inbox,
     /// Touched on every sign of life, read by the presence batches.
     pub(crate) liveness: Arc<Liveness>,
 }
@@ -224,7 +223,7 @@ impl Client {
     /// Registered: frames both ways until something ends the connection.
     async fn registered(&mut self, registration: Registration) -> End {
         let Registration {
-            mut deliveries,
+            deliveries,
             liveness,
         } = registration;
         let settings = &self.state.settings.gateway;

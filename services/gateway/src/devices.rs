@@ -1,9 +1,10 @@
 //! Devices registered on this gateway, with the system information they registered with.
 //!
 //! A constellation's DEVICE_INFO_REQUEST about a device connected to this same gateway is
-//! answered from here, without a registry request and a database read; requests about devices
-//! on other gateways still go to the registry. This is what UFO's own server does: it answers
-//! from the registrations it holds.
+//! answered from here, without a registry request and a database read; a request about a
+//! device on another gateway goes to that gateway ([`Holders`] remembers which one, after the
+//! registry named it once). This is what UFO's own server does: it answers from the
+//! registrations it holds.
 //!
 //! An entry lives exactly as long as the device's registration on this gateway: it is added
 //! once the registry has confirmed the registration, and removed when the connection ends,
@@ -73,6 +74,47 @@ impl LocalDevices {
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<LocalDevice>>> {
         self.devices.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Devices this gateway's holders table keeps at most; when full it starts again empty (each
+/// device is then looked up in the registry once more).
+const MAX_HOLDERS: usize = 100_000;
+
+/// Which gateway holds each device on another gateway that a constellation here asked about,
+/// so the next request goes straight to it. An entry is only a guess: it is forgotten when that
+/// gateway answers that it does not hold the device (or no gateway answers), and the registry
+/// is asked again.
+#[derive(Debug, Default)]
+pub struct Holders {
+    holders: RwLock<HashMap<String, String>>,
+}
+
+impl Holders {
+    /// The gateway last known to hold `device_id`.
+    pub fn get(&self, device_id: &str) -> Option<String> {
+        self.holders
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(device_id)
+            .cloned()
+    }
+
+    /// Remembers that `gateway_id` holds `device_id`.
+    pub fn remember(&self, device_id: &str, gateway_id: &str) {
+        let mut holders = self.holders.write().unwrap_or_else(|p| p.into_inner());
+        if holders.len() >= MAX_HOLDERS && !holders.contains_key(device_id) {
+            holders.clear();
+        }
+        holders.insert(device_id.to_owned(), gateway_id.to_owned());
+    }
+
+    /// Forgets where `device_id` is, if it was thought to be on `gateway_id`.
+    pub fn forget(&self, device_id: &str, gateway_id: &str) {
+        let mut holders = self.holders.write().unwrap_or_else(|p| p.into_inner());
+        if holders.get(device_id).is_some_and(|g| g == gateway_id) {
+            holders.remove(device_id);
+        }
     }
 }
 

@@ -1,8 +1,8 @@
 //! # aip-gateway: the WebSocket gateway
 //!
 //! Terminates AIP WebSockets on `/ws`, pins each connection to the identity it registered,
-//! answers heartbeats and device-info requests itself, writes whatever arrives on a client's
-//! delivery subject to its socket, and reports presence to the registry in batches. It keeps
+//! answers heartbeats and device-info requests itself, writes what arrives for each client on
+//! the gateway's delivery subject to its socket, and reports presence to the registry in batches. It keeps
 //! no task state, so any number of gateways run side by side on one NATS.
 //!
 //! [`Application::build`] binds the listener (port 0 in tests) and
@@ -13,6 +13,7 @@ pub mod acks;
 pub mod auth;
 mod client;
 pub mod connection;
+pub mod deliveries;
 pub mod devices;
 mod events;
 mod handlers;
@@ -73,6 +74,10 @@ pub struct AppState {
     pub presence: Arc<presence::PresenceTable>,
     /// Devices registered on this gateway, for device-info requests.
     pub devices: devices::LocalDevices,
+    /// The gateways holding devices on other gateways that constellations here asked about.
+    pub holders: devices::Holders,
+    /// The connections deliveries go to, by client.
+    pub routes: Arc<deliveries::Routes>,
     /// True once the registry confirmed that this process started (the previous process's
     /// registrations under the same gateway id are over); registrations wait for it.
     pub announced: tokio::sync::watch::Receiver<bool>,
@@ -90,6 +95,8 @@ pub struct AppState {
 pub struct Application {
     listener: ServiceListener,
     state: Arc<AppState>,
+    /// This gateway's delivery subject, subscribed before it serves.
+    deliveries: aip_bus::Subscription,
 }
 
 impl Application {
@@ -129,7 +136,17 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        let state = self.state.clone();
+        let addr = self.local_addr();
+        let Application {
+            listener,
+            state,
+            deliveries,
+        } = self;
+        // Ends with this future, however it ends (a test aborts it as a crash would).
+        let _routing = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(deliveries::run(
+            state.clone(),
+            deliveries,
+        )));
         tokio::spawn(announce_start(state.clone()));
         let presence = tokio::spawn(presence::run(
             state.bus.clone(),
@@ -139,13 +156,13 @@ impl Application {
             Duration::from_millis(state.settings.gateway.presence_interval_ms),
             state.shutdown.child_token(),
         ));
-        tracing::info!(addr = %self.local_addr(), gateway = %state.gateway_id, "gateway listening");
+        tracing::info!(%addr, gateway = %state.gateway_id, "gateway listening");
         let token = state.shutdown.clone();
         let stop = async move {
             shutdown.await;
             token.cancel();
         };
-        let served = self.listener.serve(router(state.clone()), stop).await;
+        let served = listener.serve(router(state.clone()), stop).await;
         state.shutdown.cancel();
         state.tracker.close();
         let grace = Duration::from_millis(state.settings.gateway.shutdown_grace_ms);
@@ -249,6 +266,7 @@ impl runner::Service for Application {
             subjects.clone(),
             std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
         );
+        let deliveries = deliveries::subscribe(&bus, &subjects, &gateway_id).await?;
         let (announce, announced) = tokio::sync::watch::channel(false);
         let origins = aip_runtime::origin::OriginPolicy::new(
             &settings.gateway.allowed_origins,
@@ -270,10 +288,16 @@ impl runner::Service for Application {
             credentials,
             presence: Arc::new(presence::PresenceTable::default()),
             devices: devices::LocalDevices::default(),
+            holders: devices::Holders::default(),
+            routes: Arc::new(deliveries::Routes::default()),
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
         });
-        Ok(Application { listener, state })
+        Ok(Application {
+            listener,
+            state,
+            deliveries,
+        })
     }
 
     async fn run_until(self, shutdown: Shutdown) -> std::io::Result<()> {

@@ -170,8 +170,8 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
         stack
             .bus
             .publish(
-                subjects.deliver("slow"),
-                Headers::new(),
+                subjects.deliver(&gateway.id),
+                Headers::new().with(aip_bus::names::CLIENT, "slow"),
                 frame.clone().into_bytes().into(),
             )
             .await

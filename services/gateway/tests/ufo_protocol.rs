@@ -247,11 +247,14 @@ async fn ufo_registration_refusals(backend: Backend) {
 }
 both_backends!(ufo_registration_refusals);
 
+/// A constellation asks about a device on another gateway: the registry names that gateway
+/// the first time (and its record answers), then that gateway answers from its own table.
+/// When the device moves on, the gateway it left says so and the registry is asked again.
 async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     let stack = Stack::start(
         backend,
         Options {
-            gateways: 2,
+            gateways: 3,
             ..options()
         },
     )
@@ -271,31 +274,21 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
         &constellation_register("galaxy@far-pc", Some("far-pc")),
     )
     .await;
-    galaxy
-        .send(&device_info_request(
-            "galaxy@far-pc",
-            "far-pc",
-            "device_info_far-pc_1",
-        ))
-        .await;
-    let info = galaxy.recv_kind("device_info_response").await;
-    assert_eq!(info["status"], "ok", "{info}");
-    assert_eq!(info["response_id"], "device_info_far-pc_1");
-    assert_eq!(info["result"], register["metadata"]["system_info"]);
+    for round in 1..=2 {
+        found(&mut galaxy, "galaxy@far-pc", "far-pc", round, &register).await;
+    }
 
-    // Gateway 1 answered from its own table: the registry was not asked about far-pc. A
-    // constellation on gateway 1 is no device (gateway 1 says so); an id connected nowhere
-    // is looked up in the registry, and that is the first lookup.
+    // The registry was asked about far-pc once: gateway 1 answered the second request from
+    // its own table. Ids that are no device here are looked up in the registry (a
+    // constellation on gateway 1, an id connected nowhere), and those are the next lookups.
     let mut free = registered(&stack.ws_url(0), &constellation_register("free@any", None)).await;
     let _far_galaxy = registered(&stack.ws_url(1), &constellation_register("g@far", None)).await;
     for (target, request_id) in [("g@far", "req-constellation"), ("ghost", "req-ghost")] {
         not_found(&mut free, "free@any", target, request_id).await;
     }
-    assert_eq!(
-        next_get(&mut gets).await,
-        "ghost",
-        "only the device connected nowhere"
-    );
+    for expected in ["far-pc", "g@far", "ghost"] {
+        assert_eq!(next_get(&mut gets).await, expected);
+    }
 
     // The id is held on gateway 1: another anonymous connection on gateway 0 is refused.
     let closed = refused_registration(
@@ -315,9 +308,40 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     eventually_on_gateway(&stack, "far-pc", &stack.gateways[0].id).await;
     again.heartbeat("far-pc", "device").await;
     galaxy.heartbeat("galaxy@far-pc", "device").await;
+    // Now on the constellation's own gateway: answered there.
+    found(&mut galaxy, "galaxy@far-pc", "far-pc", 3, &register).await;
+
+    // It moves to gateway 2. Gateway 0 still thinks gateway 1 holds it: gateway 1 says it does
+    // not, the registry is asked once, and gateway 2 answers after that.
+    again.close().await;
+    until_offline(&stack, "far-pc").await;
+    let mut moved = Ws::connect(&stack.ws_url(2)).await;
+    moved.send(&register).await;
+    assert_registration_answer(&moved.recv().await.expect("registration answer"));
+    eventually_on_gateway(&stack, "far-pc", &stack.gateways[2].id).await;
+    for round in 4..=5 {
+        found(&mut galaxy, "galaxy@far-pc", "far-pc", round, &register).await;
+    }
+    not_found(&mut free, "free@any", "ghost", "req-ghost-2").await;
+    for expected in ["far-pc", "ghost"] {
+        assert_eq!(next_get(&mut gets).await, expected);
+    }
+    moved.heartbeat("far-pc", "device").await;
     stack.stop().await;
 }
 both_backends!(constellation_gets_device_info_across_gateways);
+
+/// `asker` asks about `target` and gets the system info it registered with.
+async fn found(asker: &mut Ws, asker_id: &str, target: &str, round: u32, register: &Value) {
+    let request_id = format!("device_info_{target}_{round}");
+    asker
+        .send(&device_info_request(asker_id, target, &request_id))
+        .await;
+    let info = asker.recv_kind("device_info_response").await;
+    assert_eq!(info["status"], "ok", "round {round}: {info}");
+    assert_eq!(info["response_id"], request_id.as_str());
+    assert_eq!(info["result"], register["metadata"]["system_info"]);
+}
 
 /// The gateway answers device-info requests about its own devices itself, without a registry
 /// request, with the system info as registered; about other devices, and once a device has

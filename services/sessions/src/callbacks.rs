@@ -407,13 +407,7 @@ async fn to_agent(
     };
     let timeout = Duration::from_millis(u64::try_from(callbacks.timeout_ms).unwrap_or(10_000));
     let written = engine
-        .send_acknowledged(
-            engine.subjects().deliver(agent),
-            &callback.callback_id,
-            &record.connection_id,
-            frame,
-            timeout,
-        )
+        .send_acknowledged(&record, &callback.callback_id, frame, timeout)
         .await;
     Some(match written {
         Ok(()) => Attempt::delivered(),

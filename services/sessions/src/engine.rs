@@ -37,6 +37,7 @@ use crate::known::KnownIds;
 use crate::machine::{Answer, CommandStep, HandoffAsk, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
 use crate::planners::{PlanJob, Planned, Planners};
+use crate::routes::Routes;
 use crate::settings::SessionSettings;
 use crate::store::{LeaseSpec, OutFrame, StoreError, TaskStore, Writer};
 use crate::targets::TargetCache;
@@ -267,6 +268,8 @@ pub struct Engine {
     replica: Arc<str>,
     /// The registry's records of recent explicit targets.
     targets: Arc<std::sync::Mutex<TargetCache>>,
+    /// The gateway holding each client frames are published for.
+    routes: Arc<Routes>,
     /// The task ids the database may hold, so that new ids are not looked up.
     known: Arc<KnownIds>,
 }
@@ -312,6 +315,7 @@ impl Engine {
             acks_awaited: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
             targets: Arc::default(),
+            routes: Arc::default(),
             known: Arc::new(KnownIds::new(settings.known_task_ids_bytes)),
             settings,
         };
@@ -396,9 +400,8 @@ impl Engine {
     /// waits up to `timeout` for its gateway to acknowledge writing it.
     pub(crate) async fn send_acknowledged(
         &self,
-        subject: String,
+        to: &AgentRecord,
         msg_id: &str,
-        connection: &str,
         frame: Vec<u8>,
         timeout: Duration,
     ) -> Result<(), String> {
@@ -406,7 +409,13 @@ impl Engine {
         if let Ok(mut waiting) = self.acks_awaited.lock() {
             waiting.insert(msg_id.to_owned(), written);
         }
-        let headers = delivery_headers(msg_id, &self.ack_subject(), Some(connection));
+        let headers = delivery_headers(
+            msg_id,
+            &self.ack_subject(),
+            &to.agent_id,
+            Some(&to.connection_id),
+        );
+        let subject = self.subjects.deliver(&to.gateway_id);
         let sent = self
             .blobs
             .publish(self.bus.as_ref(), subject, headers, frame.into())
@@ -615,6 +624,7 @@ impl Engine {
                     if agent.status != AgentStatus::Offline
                         && agent.client_type == ClientType::Device =>
                 {
+                    self.found([&agent]);
                     Ok(vec![agent])
                 }
                 Ok(_) | Err(RegistryError::Refused(_)) => Ok(Vec::new()),
@@ -628,9 +638,12 @@ impl Engine {
                     client_type: Some(ClientType::Device),
                     limit: Some(CAPABILITY_CANDIDATES),
                 };
-                self.patiently(|| self.registry.lookup(&lookup))
+                let candidates = self
+                    .patiently(|| self.registry.lookup(&lookup))
                     .await
-                    .map_err(RegistryError::into_error_body)
+                    .map_err(RegistryError::into_error_body)?;
+                self.found(&candidates);
+                Ok(candidates)
             }
         }
     }
@@ -881,7 +894,20 @@ impl Engine {
             }
             found.extend(agents.into_iter().map(|a| (a.agent_id.clone(), a)));
         }
+        self.found(found.values());
         Ok(found)
+    }
+
+    /// Where the clients of these records are, unless known better ([`Routes::found`]).
+    fn found<'r>(&self, records: impl IntoIterator<Item = &'r AgentRecord>) {
+        for record in records {
+            self.routes.found(record);
+        }
+    }
+
+    /// Where frames for clients go ([`crate::routes`]).
+    pub(crate) fn routes(&self) -> &Routes {
+        &self.routes
     }
 
     /// A connection of `agent_id` ended: its record is asked for again (`crate::targets`).
@@ -894,6 +920,12 @@ impl Engine {
     /// Finds the executor candidates: an explicit target must be an online device; otherwise
     /// the registry's available agents with the capabilities.
     async fn resolve(&self, new: &NewTask) -> Result<Vec<AgentRecord>, ErrorBody> {
+        let candidates = self.resolve_candidates(new).await?;
+        self.found(&candidates);
+        Ok(candidates)
+    }
+
+    async fn resolve_candidates(&self, new: &NewTask) -> Result<Vec<AgentRecord>, ErrorBody> {
         match &new.placement {
             Placement::Target(target) => {
                 let found = match self.patiently(|| self.registry.get(target)).await {
@@ -1007,13 +1039,15 @@ impl Engine {
             &body.detail,
         );
         for frame in &frames {
-            self.notify(&inbound.client_id, frame).await;
+            self.notify(inbound, frame).await;
         }
         Ok(())
     }
 
-    /// Publishes a frame to a client directly (for refusals, which change no task).
-    async fn notify(&self, client_id: &str, frame: &ServerMessage) {
+    /// Publishes a frame directly to the client that sent `inbound`, through the gateway it
+    /// came from (for refusals, which change no task).
+    async fn notify(&self, inbound: &InboundFrame, frame: &ServerMessage) {
+        let client_id = &inbound.client_id;
         let payload = match serde_json::to_vec(frame) {
             Ok(payload) => payload,
             Err(e) => {
@@ -1024,8 +1058,8 @@ impl Engine {
         if let Err(e) = self
             .bus
             .publish(
-                self.subjects.deliver(client_id),
-                Headers::new(),
+                self.subjects.deliver(&inbound.gateway_id),
+                Headers::new().with(aip_bus::names::CLIENT, client_id.as_str()),
                 payload.into(),
             )
             .await
@@ -1038,9 +1072,54 @@ impl Engine {
     /// wrote it to the client's socket acknowledges it ([`crate::workers::run_ack_listener`]):
     /// a publish that succeeds has only reached the client library's buffer, which a NATS
     /// restart loses. The outbox sweeper sends it again until then.
+    ///
+    /// These are frames sent again: their clients' routes are asked of the registry anew (a
+    /// frame no gateway acknowledged may have gone to a gateway its client had left).
     pub(crate) async fn publish_frames(&self, frames: Vec<OutFrame>) {
+        for frame in &frames {
+            self.routes.forget(&frame.client_id);
+        }
         self.publish_frames_stored(frames, StoredBodies::new())
             .await;
+    }
+
+    /// The gateway holding each client of `frames`: known ([`crate::routes`]), or asked of the
+    /// registry, in one request per [`MAX_GET_MANY`] clients. A client the registry does not
+    /// know as connected (or a registry that does not answer) has none: its frames wait in
+    /// the outbox for the sweeper.
+    async fn gateways_of(&self, frames: &[OutFrame]) -> HashMap<String, String> {
+        let mut gateways = HashMap::new();
+        let mut unknown = Vec::new();
+        for frame in frames {
+            if gateways.contains_key(&frame.client_id) || unknown.contains(&frame.client_id) {
+                continue;
+            }
+            match self.routes.gateway(&frame.client_id) {
+                Some(gateway) => {
+                    gateways.insert(frame.client_id.clone(), gateway);
+                }
+                None => unknown.push(frame.client_id.clone()),
+            }
+        }
+        for chunk in unknown.chunks(MAX_GET_MANY) {
+            match self.registry.get_many(chunk).await {
+                Ok(records) => {
+                    self.found(&records);
+                    for record in records {
+                        if record.status != AgentStatus::Offline {
+                            gateways.insert(record.agent_id, record.gateway_id);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        clients = chunk.len(),
+                        "the registry did not say where clients are; their frames wait in the outbox: {e}"
+                    );
+                }
+            }
+        }
+        gateways
     }
 
     /// Stores the bodies of a group's frames too large for one bus message in the blob
@@ -1085,31 +1164,39 @@ impl Engine {
         }))
     }
 
-    /// Publishes frames; those in `stored` by reference to their body, stored beforehand.
+    /// Publishes frames, each to the gateway holding its client; those in `stored` by
+    /// reference to their body, stored beforehand. A frame whose client is not connected
+    /// anywhere stays in the outbox.
     async fn publish_frames_stored(&self, frames: Vec<OutFrame>, mut stored: StoredBodies) {
         let ack_subject = self.ack_subject();
+        let gateways = self.gateways_of(&frames).await;
         for frame in frames {
+            let Some(gateway) = gateways.get(&frame.client_id) else {
+                tracing::debug!(client = %frame.client_id, "a frame for a client connected nowhere waits in the outbox");
+                metrics::counter!("aip_sessions_frames_unrouted_total").increment(1);
+                continue;
+            };
+            let subject = self.subjects.deliver(gateway);
             let span = aip_bus::trace::continuing(
                 aip_bus::trace::Operation::Publish,
-                &self.subjects.template(&frame.subject),
-                &frame.subject,
+                &self.subjects.template(&subject),
+                &subject,
                 frame.trace,
             );
-            let headers =
-                delivery_headers(&frame.msg_id, &ack_subject, frame.connection.as_deref());
+            let headers = delivery_headers(
+                &frame.msg_id,
+                &ack_subject,
+                &frame.client_id,
+                frame.connection.as_deref(),
+            );
             let publish = match stored.remove(&frame.msg_id) {
                 Some(reference) => self
                     .blobs
-                    .publish_stored(self.bus.as_ref(), frame.subject.clone(), headers, reference)
+                    .publish_stored(self.bus.as_ref(), subject.clone(), headers, reference)
                     .boxed(),
                 None => self
                     .blobs
-                    .publish(
-                        self.bus.as_ref(),
-                        frame.subject.clone(),
-                        headers,
-                        frame.payload,
-                    )
+                    .publish(self.bus.as_ref(), subject.clone(), headers, frame.payload)
                     .boxed(),
             };
             match publish.instrument(span).await {
@@ -1119,7 +1206,7 @@ impl Engine {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(subject = %frame.subject, "publish after commit failed, left in the outbox: {e}")
+                    tracing::warn!(%subject, "publish after commit failed, left in the outbox: {e}")
                 }
             }
         }
@@ -1306,7 +1393,7 @@ pub async fn run_applier(
             }
         };
         tracing::info!(live = live.len(), "leading: this replica applies changes");
-        let core = Machine::new(engine.settings.clone(), engine.subjects.clone(), live);
+        let core = Machine::new(engine.settings.clone(), live);
         engine.standby.store(false, Ordering::Release);
         engine.leading.store(true, Ordering::Release);
         let term = stop.child_token();
@@ -1791,11 +1878,17 @@ async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Committed>) {
     }
 }
 
-/// Headers of a frame from the outbox: its message id, so that a frame sent again is
-/// recognised (and dropped) by the gateway that already wrote it to the client; where that
+/// Headers of a frame from the outbox: its client; its message id, so that a frame sent again
+/// is recognised (and dropped) by the gateway that already wrote it to the client; where that
 /// gateway acknowledges it; and the one connection that may receive it, if only one may.
-pub fn delivery_headers(msg_id: &str, ack_subject: &str, connection: Option<&str>) -> Headers {
+pub fn delivery_headers(
+    msg_id: &str,
+    ack_subject: &str,
+    client_id: &str,
+    connection: Option<&str>,
+) -> Headers {
     let headers = Headers::new()
+        .with(aip_bus::names::CLIENT, client_id.to_owned())
         .with(aip_bus::names::MSG_ID, msg_id.to_owned())
         .with(aip_bus::names::ACK, ack_subject.to_owned());
     match connection {

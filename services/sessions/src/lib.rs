@@ -21,6 +21,7 @@ pub mod http;
 pub mod known;
 pub mod machine;
 pub mod planners;
+pub mod routes;
 pub mod settings;
 pub mod store;
 pub mod targets;

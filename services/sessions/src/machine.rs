@@ -24,7 +24,7 @@ use proto_schemas::server::{self, CommandTarget};
 use proto_schemas::sessions::{InboundFrame, PlanRequest, PlanStep, TaskState};
 use proto_schemas::{
     ActionResult, ClientMessageType, ClientType, Command, ErrorBody, ErrorCode, Extension,
-    ResultStatus, ServerMessage, Subjects, TaskStatus, V1,
+    ResultStatus, ServerMessage, TaskStatus, V1,
 };
 use serde_json::{Value, json};
 
@@ -224,7 +224,6 @@ pub struct Pending {
 /// The live state of the leader.
 pub struct Machine {
     settings: SessionSettings,
-    subjects: Subjects,
     /// Shared with the batch being written: [`Machine::take`] hands over each changed task
     /// without copying it (a task's history can hold results of tens of MiB), and a task
     /// changed again while its batch is written is copied then ([`Arc::make_mut`]).
@@ -248,10 +247,9 @@ pub struct Machine {
 
 impl Machine {
     /// The state of a new leader: every live task from the database.
-    pub fn new(settings: SessionSettings, subjects: Subjects, live: Vec<Task>) -> Self {
+    pub fn new(settings: SessionSettings, live: Vec<Task>) -> Self {
         let mut core = Machine {
             settings,
-            subjects,
             tasks: HashMap::with_capacity(live.len()),
             clients: HashMap::new(),
             executors: HashMap::new(),
@@ -515,7 +513,7 @@ impl Machine {
     ) {
         self.pending.batch.outbox.push(OutFrame {
             msg_id: server::new_id(),
-            subject: self.subjects.deliver(client_id),
+            client_id: client_id.to_owned(),
             connection: connection.map(str::to_owned),
             payload,
             task_end_of,
@@ -2110,7 +2108,7 @@ mod tests {
     }
 
     fn machine() -> Machine {
-        Machine::new(SessionSettings::default(), Subjects::default(), Vec::new())
+        Machine::new(SessionSettings::default(), Vec::new())
     }
 
     #[test]
@@ -2269,7 +2267,7 @@ mod tests {
             max_live_tasks: 1,
             ..SessionSettings::default()
         };
-        let mut m = Machine::new(settings, Subjects::default(), Vec::new());
+        let mut m = Machine::new(settings, Vec::new());
         m.submit(task("one", "d1", 0, 1), None).expect("one");
         let refused = m.submit(task("two", "d2", 0, 1), None);
         assert!(
@@ -2287,7 +2285,6 @@ mod tests {
         let pending = commit(&mut m);
         let mut reloaded = Machine::new(
             SessionSettings::default(),
-            Subjects::default(),
             pending.batch.tasks.iter().map(|t| Task::clone(t)).collect(),
         );
         reloaded.cancel("a", "x").expect("cancel");

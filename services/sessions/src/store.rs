@@ -540,10 +540,10 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
              SELECT id, {now} FROM UNNEST({processed}) AS u(id) WHERE {leading} \
              ON CONFLICT (msg_id) DO NOTHING), \
          written_outbox AS (\
-             INSERT INTO task_outbox (msg_id, subject, connection_id, payload, payload_kind, \
-                 created_ms) \
-             SELECT msg_id, subject, connection_id, payload, payload_kind, {now} \
-             FROM UNNEST({outbox}) AS u(msg_id, subject, connection_id, payload, payload_kind) \
+             INSERT INTO task_outbox (msg_id, subject, client_id, connection_id, payload, \
+                 payload_kind, created_ms) \
+             SELECT msg_id, '', client_id, connection_id, payload, payload_kind, {now} \
+             FROM UNNEST({outbox}) AS u(msg_id, client_id, connection_id, payload, payload_kind) \
              WHERE {leading}), \
          deleted_outbox AS (\
              DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
@@ -610,12 +610,34 @@ static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE m
 static STALE_OUTBOX: LazyLock<Sql> = LazyLock::new(|| {
     Sql::render(|backend| {
         format!(
-            "SELECT msg_id, subject, connection_id, payload, payload_kind FROM task_outbox \
+            "SELECT msg_id, subject, client_id, connection_id, payload, payload_kind \
+             FROM task_outbox \
              WHERE created_ms < $1 AND NOT ({}) ORDER BY created_ms LIMIT $2",
             backend.in_list("msg_id", 3)
         )
     })
 });
+
+/// An outbox row: message id, subject (of rows from before `client_id`), client, connection,
+/// payload and payload kind.
+type OutboxRow = (
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    Vec<u8>,
+    String,
+);
+
+/// The client of an outbox row written before rows named it: the last token of the per-client
+/// subject it was to be published on (`<prefix>.deliver.<client token>`).
+fn client_of_subject(subject: &str) -> Option<String> {
+    let (family, token) = subject.rsplit_once('.')?;
+    if family != "deliver" && !family.ends_with(".deliver") {
+        return None;
+    }
+    proto_schemas::subjects::decode_token(token)
+}
 
 /// Outbox rows committed before `$1` (no gateway acknowledged them since), oldest first.
 static EXPIRED_OUTBOX: Sql =
@@ -854,8 +876,8 @@ pub enum EventData {
 pub struct OutFrame {
     /// The message id gateways de-duplicate on (`Nats-Msg-Id`), also the outbox key.
     pub msg_id: String,
-    /// Subject to publish on.
-    pub subject: String,
+    /// The client it is for; published to the gateway holding the client.
+    pub client_id: String,
     /// The one connection of the client that may receive it (an executor's frames go to the
     /// connection its task is bound to); `None`: whichever connection the client has.
     pub connection: Option<String>,
@@ -1219,13 +1241,14 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
     }
     for slice in shape.slices(&batch.outbox) {
         q.push(
-            "INSERT INTO task_outbox (msg_id, subject, connection_id, payload, payload_kind, \
-             created_ms) ",
+            "INSERT INTO task_outbox (msg_id, subject, client_id, connection_id, payload, \
+             payload_kind, created_ms) ",
         );
-        push_padded_rows(&mut q, shape, 6, slice, |b, f| {
+        push_padded_rows(&mut q, shape, 7, slice, |b, f| {
             let (kind, payload) = stored_payload(f);
             b.push_bind(f.msg_id.clone())
-                .push_bind(f.subject.clone())
+                .push_bind("")
+                .push_bind(f.client_id.clone())
                 .push_bind(f.connection.clone())
                 .push_bind(payload.into_owned())
                 .push_bind(kind.as_str())
@@ -1384,7 +1407,7 @@ async fn write_pg(
         .bind(&batch.processed)
         .bind(now_ms())
         .bind(o.iter().map(|f| f.msg_id.as_str()).collect::<Vec<_>>())
-        .bind(o.iter().map(|f| f.subject.as_str()).collect::<Vec<_>>())
+        .bind(o.iter().map(|f| f.client_id.as_str()).collect::<Vec<_>>())
         .bind(
             o.iter()
                 .map(|f| f.connection.as_deref())
@@ -1748,7 +1771,7 @@ impl TaskStore {
         except: &[String],
         limit: i64,
     ) -> Result<Vec<OutFrame>, StoreError> {
-        let rows: Vec<(String, String, Option<String>, Vec<u8>, String)> = self
+        let rows: Vec<OutboxRow> = self
             .db
             .query(&STALE_OUTBOX)
             .bind(older_than)
@@ -1757,17 +1780,20 @@ impl TaskStore {
             .fetch_all()
             .await?;
         let mut frames = Vec::with_capacity(rows.len());
-        for (msg_id, subject, connection, payload, kind) in rows {
-            let corrupt = |value: String| StoreError::Corrupt {
+        for (msg_id, subject, client_id, connection, payload, kind) in rows {
+            let corrupt = |column, value: String| StoreError::Corrupt {
                 task_id: String::new(),
-                column: "task_outbox.payload_kind",
+                column,
                 value,
+            };
+            let Some(client_id) = client_id.or_else(|| client_of_subject(&subject)) else {
+                return Err(corrupt("task_outbox.subject", subject));
             };
             let (payload, task_end_of) = match PayloadKind::from_db(&kind) {
                 Some(PayloadKind::Frame) => (bytes::Bytes::from(payload), None),
                 Some(PayloadKind::TaskEndOf) => {
                     let of: TaskEndOf = serde_json::from_slice(&payload)
-                        .map_err(|e| corrupt(format!("{kind}: {e}")))?;
+                        .map_err(|e| corrupt("task_outbox.payload_kind", format!("{kind}: {e}")))?;
                     let Some(task) = self.get(&of.task_id).await? else {
                         tracing::warn!(task = %of.task_id, "the task of a task_end in the outbox is gone; not sent");
                         continue;
@@ -1781,11 +1807,11 @@ impl TaskStore {
                         })?;
                     (bytes::Bytes::from(frame), Some(of))
                 }
-                None => return Err(corrupt(kind)),
+                None => return Err(corrupt("task_outbox.payload_kind", kind)),
             };
             frames.push(OutFrame {
                 msg_id,
-                subject,
+                client_id,
                 connection,
                 payload,
                 task_end_of,
@@ -2072,8 +2098,19 @@ mod tests {
             }
         }
         // The largest text stays under SQLite's bind-parameter limit (32,766).
-        let per_row = COLUMNS.len() + 6 + 2 + 6 + 1 + 8;
+        let per_row = COLUMNS.len() + 6 + 2 + 7 + 1 + 8;
         assert!(per_row * LITE_GROUP_ROWS[LITE_GROUP_ROWS.len() - 1] + 1 < 32_766);
+    }
+
+    #[test]
+    fn rows_from_before_the_client_column_name_their_client_in_the_subject() {
+        assert_eq!(
+            client_of_subject("t1.aip.deliver.pc~2E1").as_deref(),
+            Some("pc.1")
+        );
+        assert_eq!(client_of_subject("deliver.~").as_deref(), Some(""));
+        assert_eq!(client_of_subject("t1.aip.frames.pc"), None);
+        assert_eq!(client_of_subject(""), None);
     }
 
     #[test]

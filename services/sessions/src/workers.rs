@@ -234,9 +234,20 @@ async fn prepare_chunk(
     .await;
     let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
     // As soon as an end is read: the chunks prepared after this one ask the registry again.
+    // A frame says where its client is now.
     for (_, _, event) in &events {
-        if let GatewayEvent::Closed(closed) = event {
-            engine.forget_target(&closed.client_id);
+        match event {
+            GatewayEvent::Closed(closed) => {
+                engine.forget_target(&closed.client_id);
+                engine
+                    .routes()
+                    .closed(&closed.client_id, &closed.connection_id);
+            }
+            GatewayEvent::Frame(f) => {
+                engine
+                    .routes()
+                    .heard(&f.client_id, &f.gateway_id, &f.connection_id)
+            }
         }
     }
     let spans: Vec<tracing::Span> = events

@@ -68,13 +68,18 @@ async fn ended(stack: &Stack, id: &str) -> Value {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A one-step `echo` task on `target` submitted over REST, with the frames for `target`
-/// watched on the bus from before: the frames, the body (to submit another) and the task.
-async fn echo_task_watched(stack: &Stack, target: &str) -> (aip_bus::Subscription, Value, Value) {
+/// A one-step `echo` task on `target` submitted over REST, with the frames for the clients of
+/// `target`'s gateway watched on the bus from before: the frames, the body (to submit
+/// another) and the task.
+async fn echo_task_watched(
+    stack: &Stack,
+    target: &str,
+    gateway: &str,
+) -> (aip_bus::Subscription, Value, Value) {
     let subjects = Subjects::new(&stack.prefix).expect("prefix");
     let deliveries = stack
         .bus
-        .subscribe(subjects.deliver(target))
+        .subscribe(subjects.deliver(gateway))
         .await
         .expect("subscribe");
     let body = json!({ "version": 1, "description": "echo", "originating_agent_id": "ops",
@@ -257,15 +262,23 @@ both_backends!(a_replaced_connections_tasks_end_and_a_late_end_spares_the_new_on
 /// acknowledges writing it. Here no gateway holds the client (as while NATS restarts), so the
 /// command comes again, with the same id; once acknowledged, it stops coming.
 async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(backend: Backend) {
-    let stack = Stack::start(backend, Options::default())
-        .await
-        .expect("stack");
+    // `gw-1` never reports presence: the registry keeps its device online for the test's
+    // length (an offline device's frames are not sent at all).
+    let stack = Stack::start(
+        backend,
+        Options {
+            liveness_ms: 120_000,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
     let registry = registry_of(&stack);
     registry
         .register(&device("dev", "gw-1", "gw-1:1", "lab"))
         .await
         .expect("registered");
-    let (mut deliveries, _, _) = echo_task_watched(&stack, "dev").await;
+    let (mut deliveries, _, _) = echo_task_watched(&stack, "dev", "gw-1").await;
 
     // Every frame sent until one comes a second time: sent again, with the same id.
     let wait = Duration::from_secs(15);
@@ -274,6 +287,7 @@ async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(back
         let frame = within(wait, "a frame for the device", deliveries.next())
             .await
             .expect("subscribed");
+        assert_eq!(frame.headers.get(names::CLIENT), Some("dev"));
         let msg_id = frame.headers.get(names::MSG_ID).expect("an id").to_owned();
         let ack_to = frame
             .headers
@@ -331,7 +345,7 @@ both_backends!(a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_i
 async fn a_command_for_a_dead_connection_never_reaches_the_next_one(backend: Backend) {
     // The device's first connection, on a gateway killed with `kill -9`.
     let stack = with_a_killed_gateways_device(backend, "dev", "killed:1", "anonymous").await;
-    let (mut deliveries, body, task) = echo_task_watched(&stack, "dev").await;
+    let (mut deliveries, body, task) = echo_task_watched(&stack, "dev", "gw-killed").await;
     let old = task["task_id"].as_str().expect("an id").to_owned();
     let first = within(Duration::from_secs(10), "the command", deliveries.next())
         .await

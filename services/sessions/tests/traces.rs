@@ -239,7 +239,7 @@ async fn one_task_is_one_trace_across_processes() {
     }
 
     let frames = format!("{prefix}.frames.{{client}}");
-    let deliver = format!("{prefix}.deliver.{{client}}");
+    let deliver = format!("{prefix}.deliver.{{gateway}}");
     let get_many = format!("{prefix}.registry.get_many");
     // (service, name, kind, parent's (service, name) or none for the root), in the order the
     // task travelled.

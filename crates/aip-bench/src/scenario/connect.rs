@@ -48,6 +48,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &ConnectArgs) -> anyhow::Result<Measure
         set.spawn(device(
             ctx.clone(),
             i,
+            source_address(args.source_addresses, i),
             permits.clone(),
             setup_tx.clone(),
             stop_rx.clone(),
@@ -158,11 +159,21 @@ pub(crate) async fn run(ctx: &Ctx, args: &ConnectArgs) -> anyhow::Result<Measure
     })
 }
 
+/// The `i`th device's source address: 127.0.0.1 to 127.0.0.`count`, round robin; `None`
+/// (the kernel's choice) for one.
+fn source_address(count: u8, i: usize) -> Option<std::net::IpAddr> {
+    (count > 1).then(|| {
+        let last = 1 + (i % usize::from(count)) as u8;
+        std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, last))
+    })
+}
+
 /// One device: set up, report, hold until stopped. `Some(reason)` if the broker closed it
 /// while held.
 async fn device(
     ctx: Ctx,
     i: usize,
+    source: Option<std::net::IpAddr>,
     permits: Arc<Semaphore>,
     setup: mpsc::UnboundedSender<Setup>,
     mut stop: watch::Receiver<bool>,
@@ -180,7 +191,7 @@ async fn device(
     let started = Instant::now();
     let connected = tokio::time::timeout_at(
         ctx.deadline.min(started + ctx.timeout),
-        Conn::connect(ctx.target.gateway(i)),
+        Conn::connect_from(ctx.target.gateway(i), source),
     )
     .await;
     let mut conn = match connected {

@@ -1,10 +1,9 @@
-//! What arrives on the client's delivery subject: server frames for it, already serialised
-//! by the session service, written to the socket as they are; and the control message
-//! telling a replaced connection to close.
+//! What arrives for the client on the gateway's delivery subject ([`crate::deliveries`]):
+//! server frames for it, already serialised by the session service, written to the socket as
+//! they are; and the control message telling a replaced connection to close.
 
 use aip_bus::trace::Operation;
-use aip_bus::{Headers, Message as BusMessage, names};
-use bytes::Bytes;
+use aip_bus::{Message as BusMessage, names};
 use proto_schemas::{ErrorCode, server};
 
 use crate::client::{Client, End};
@@ -19,10 +18,6 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
             );
             return Err(End::Replaced);
         }
-        return Ok(());
-    }
-    if message.headers.get(names::CONTROL) == Some(names::DEVICE_INFO) {
-        answer_device_info(client, &message).await;
         return Ok(());
     }
     // A frame for one connection of this client (an executor's command, bound to the
@@ -90,7 +85,7 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
     Ok(())
 }
 
-/// The span of a traced frame written to the socket (`process aip.deliver.{client}`), child of
+/// The span of a traced frame written to the socket (`process aip.deliver.{gateway}`), child of
 /// the sender's; a command's is remembered, so the results that answer it join its trace.
 fn written_span(
     client: &mut Client,
@@ -138,46 +133,4 @@ async fn acknowledge(client: &Client, message: &BusMessage) {
         return;
     };
     client.state.acks.ack(subject, msg_id).await;
-}
-
-/// Another gateway asks, for one of its constellations, about the device this connection
-/// holds ([`names::DEVICE_INFO`]): answered from this gateway's own table, as for a
-/// constellation of its own.
-async fn answer_device_info(client: &Client, message: &BusMessage) {
-    let Some(reply) = &message.reply else {
-        return;
-    };
-    let client_id = client
-        .identity
-        .as_ref()
-        .map(|identity| identity.client_id.as_str())
-        .unwrap_or_default();
-    let device = client
-        .state
-        .devices
-        .get(client_id)
-        .filter(|device| device.connection_id == client.connection_id);
-    let (headers, payload) = match device.as_ref().map(|d| d.system_info.as_ref()) {
-        Some(Some(info)) => (
-            Headers::new(),
-            Bytes::copy_from_slice(info.get().as_bytes()),
-        ),
-        found => {
-            let detail = match found {
-                Some(_) => format!("Device {client_id} has no system info"),
-                None => format!("Device {client_id} not found or no system info available"),
-            };
-            let headers =
-                Headers::new().with(names::ERROR_CODE, ErrorCode::DeviceNotFound.as_str());
-            (headers, Bytes::from(detail))
-        }
-    };
-    if let Err(e) = client
-        .state
-        .bus
-        .publish(reply.clone(), headers, payload)
-        .await
-    {
-        tracing::debug!(device = %client_id, "device info answer not sent: {e}");
-    }
 }

@@ -1,10 +1,12 @@
 //! DEVICE_INFO_REQUEST: a constellation asks for a device's system information.
 //!
 //! Answered from this gateway's own devices ([`crate::devices`]) when the device is one of
-//! them; else by the gateway holding the device, asked on the device's delivery subject
+//! them; else by the gateway holding the device, asked on its delivery subject
 //! ([`aip_bus::names::DEVICE_INFO`]), which answers from its own table: no registry request
-//! and no database read. Only a device connected nowhere is looked up in the registry. Only a
-//! constellation may ask, and one registered for a device only about that device.
+//! and no database read. Which gateway that is comes from the registry, the first time (its
+//! record answers that request), and is remembered ([`crate::devices::Holders`]) until that
+//! gateway no longer holds the device. Only a constellation may ask, and one registered for a
+//! device only about that device.
 
 use std::time::Duration;
 
@@ -63,33 +65,37 @@ pub(crate) async fn handle(
             }
         };
     }
-    match ask_holder(client, &target).await {
-        Held::Info(info) => {
-            return match replies::device_info(request_id, &info) {
-                Ok(text) => Ok(connection.write_text(text)?),
-                Err(e) => Ok(connection.write(&server::device_info_error(
+    if let Some(gateway) = client.state.holders.get(&target) {
+        match ask_holder(client, &gateway, &target).await {
+            Held::Info(info) => {
+                return match replies::device_info(request_id, &info) {
+                    Ok(text) => Ok(connection.write_text(text)?),
+                    Err(e) => Ok(connection.write(&server::device_info_error(
+                        request_id,
+                        format!("Device {target}'s system info could not be sent: {e}"),
+                        ErrorCode::Internal,
+                    ))?),
+                };
+            }
+            Held::Refused(detail) => {
+                return Ok(connection.write(&server::device_info_error(
                     request_id,
-                    format!("Device {target}'s system info could not be sent: {e}"),
-                    ErrorCode::Internal,
-                ))?),
-            };
+                    detail,
+                    ErrorCode::DeviceNotFound,
+                ))?);
+            }
+            // The next request asks the registry again.
+            Held::Failed(e) => {
+                client.state.holders.forget(&target, &gateway);
+                return Ok(connection.write(&server::device_info_error(
+                    request_id,
+                    e.to_string(),
+                    ErrorCode::Unavailable,
+                ))?);
+            }
+            // Not there any more: the registry knows where it is, if anywhere.
+            Held::NotHeld => client.state.holders.forget(&target, &gateway),
         }
-        Held::Refused(detail) => {
-            return Ok(connection.write(&server::device_info_error(
-                request_id,
-                detail,
-                ErrorCode::DeviceNotFound,
-            ))?);
-        }
-        Held::Failed(e) => {
-            return Ok(connection.write(&server::device_info_error(
-                request_id,
-                e.to_string(),
-                ErrorCode::Unavailable,
-            ))?);
-        }
-        // Not connected anywhere: the registry knows whether it ever was.
-        Held::Nobody => {}
     }
     let agent = match client.state.registry.get(&target).await {
         Ok(agent) => Some(agent),
@@ -106,6 +112,9 @@ pub(crate) async fn handle(
         Some(agent)
             if agent.status != AgentStatus::Offline && agent.client_type == ClientType::Device =>
         {
+            if agent.gateway_id != client.state.gateway_id {
+                client.state.holders.remember(&target, &agent.gateway_id);
+            }
             match agent.system_info {
                 Some(info) => server::device_info(request_id, info),
                 None => no_system_info(),
@@ -126,23 +135,26 @@ enum Held {
     Info(Box<RawValue>),
     /// Why there is none (it holds no such device, or the device sent none).
     Refused(String),
-    /// No gateway holds it.
-    Nobody,
+    /// That gateway does not hold it (or no gateway of that id is running).
+    NotHeld,
     /// The bus failed, or the holder did not answer in time.
     Failed(BusError),
 }
 
-/// Asks the gateway holding `device` (whichever listens on its delivery subject).
-async fn ask_holder(client: &Client, device: &str) -> Held {
+/// Asks `gateway`, thought to hold `device`.
+async fn ask_holder(client: &Client, gateway: &str, device: &str) -> Held {
     let state = &client.state;
-    let subject = state.subjects.deliver(device);
-    let headers = Headers::new().with(names::CONTROL, names::DEVICE_INFO);
+    let subject = state.subjects.deliver(gateway);
+    let headers = Headers::new()
+        .with(names::CONTROL, names::DEVICE_INFO)
+        .with(names::CLIENT, device);
     let patience = Duration::from_millis(state.settings.gateway.request_timeout_ms);
     match state
         .bus
         .request(subject, headers, Bytes::new(), patience)
         .await
     {
+        Ok(reply) if reply.headers.get(names::CONTROL) == Some(names::NOT_HELD) => Held::NotHeld,
         Ok(reply) if reply.headers.get(names::ERROR_CODE).is_some() => {
             Held::Refused(String::from_utf8_lossy(&reply.payload).into_owned())
         }
@@ -152,7 +164,7 @@ async fn ask_holder(client: &Client, device: &str) -> Held {
                 "Device {device}'s system info could not be read: {e}"
             )),
         },
-        Err(BusError::NoResponders { .. }) => Held::Nobody,
+        Err(BusError::NoResponders { .. }) => Held::NotHeld,
         Err(e) => Held::Failed(e),
     }
 }

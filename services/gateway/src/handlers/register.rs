@@ -104,12 +104,8 @@ pub(crate) async fn handle(
         metadata: frame.metadata.clone().map(serde_json::Value::Object),
         extensions: details.extensions.clone(),
     };
-    // Subscribe before confirming, so nothing published right after registration is lost.
-    let deliveries = match state
-        .bus
-        .subscribe(state.subjects.deliver(&client_id))
-        .await
-    {
+    // Open before confirming, so nothing published right after registration is lost.
+    let deliveries = match state.routes.open(&client_id, &client.connection_id) {
         Ok(deliveries) => deliveries,
         Err(e) => {
             let text = format!("registration failed: {e}");
@@ -136,7 +132,7 @@ pub(crate) async fn handle(
         }
     };
     if let Some(old) = registered.replaced_connection {
-        close_replaced(&state, &client_id, old).await;
+        close_replaced(&state, &client_id, old, registered.replaced_gateway).await;
     }
     if let Some(info) = local_info {
         state
@@ -190,11 +186,21 @@ fn local_system_info(
 
 /// Tells the gateway holding the stale connection of a client that registered again to
 /// close it.
-async fn close_replaced(state: &AppState, client_id: &str, old_connection: String) {
+async fn close_replaced(
+    state: &AppState,
+    client_id: &str,
+    old_connection: String,
+    old_gateway: Option<String>,
+) {
+    let Some(old_gateway) = old_gateway else {
+        tracing::warn!(client = %client_id, connection = %old_connection, "the registry did not say which gateway holds the stale connection; it ends when its gateway finds it silent");
+        return;
+    };
     let headers = Headers::new()
         .with(names::CONTROL, "disconnect")
+        .with(names::CLIENT, client_id)
         .with(names::CONNECTION, old_connection);
-    let subject = state.subjects.deliver(client_id);
+    let subject = state.subjects.deliver(&old_gateway);
     if let Err(e) = state
         .bus
         .publish(subject, headers, Default::default())

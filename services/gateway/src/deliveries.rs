@@ -1,0 +1,311 @@
+//! What other services send to this gateway's clients, on one subject for the whole gateway.
+//!
+//! The gateway subscribes to `deliver.{gateway}` once ([`subscribe`]) and [`run`] hands each
+//! message to the connection of the client its `Aip-Client` header names, through that
+//! connection's [`Inbox`]: a bounded queue that holds memory only while messages wait in it.
+//! One subscription per connection would hold a message channel of the bus client's for every
+//! idle connection, and cost a SUB and an UNSUB per registration.
+//!
+//! A message naming a connection (`Aip-Connection`) goes to that connection if this gateway
+//! holds it, else to the client's newest connection here (which drops a frame bound to
+//! another connection, [`crate::handlers::delivery`]). A message for a client this gateway
+//! does not hold is dropped unanswered: the session service sends an unacknowledged frame
+//! again, to the gateway the registry then names. Device-info requests from other gateways
+//! are answered here, from [`crate::devices`], without reaching the connection.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use aip_bus::{Headers, Message as BusMessage, Subscription, names};
+use bytes::Bytes;
+use futures::StreamExt;
+use proto_schemas::ErrorCode;
+
+use crate::AppState;
+
+/// Messages one connection's queue holds before more for it are dropped (a frame from the
+/// outbox is sent again; a client this far behind is about to be closed as too slow by its
+/// outbound queue anyway).
+const INBOX_CAPACITY: usize = 256;
+
+/// The connections this gateway holds, by client id, for routing deliveries.
+#[derive(Debug, Default)]
+pub struct Routes {
+    table: Mutex<Table>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    /// Per client, its connections here, oldest first (two only while a newer one replaces
+    /// an older one).
+    clients: HashMap<String, Vec<Held>>,
+    /// Set when the gateway's subscription ended: nothing can be delivered any more.
+    closed: bool,
+}
+
+#[derive(Debug)]
+struct Held {
+    connection_id: String,
+    queue: flume::Sender<BusMessage>,
+}
+
+/// Why a connection could not be given an inbox.
+#[derive(Debug, thiserror::Error)]
+#[error("this gateway's delivery subscription ended; reconnect")]
+pub struct DeliveriesEnded;
+
+/// Where a connection receives its deliveries; leaving the routes when dropped.
+#[derive(Debug)]
+pub struct Inbox {
+    routes: Arc<Routes>,
+    client_id: String,
+    connection_id: String,
+    queue: flume::Receiver<BusMessage>,
+}
+
+impl Inbox {
+    /// The next message; `None` once the gateway's subscription ended.
+    pub async fn next(&self) -> Option<BusMessage> {
+        self.queue.recv_async().await.ok()
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        self.routes.close(&self.client_id, &self.connection_id);
+    }
+}
+
+/// Where [`Routes::route`] put a message.
+#[derive(Debug, PartialEq, Eq)]
+enum Routed {
+    Queued,
+    /// No `Aip-Client` header, or a client this gateway does not hold.
+    NotHeld,
+    /// The connection's queue is full.
+    Full,
+}
+
+impl Routes {
+    /// Opens `connection_id`'s inbox for `client_id`: from now on deliveries for the client go
+    /// to it (before any older connection of the client here).
+    pub fn open(
+        self: &Arc<Self>,
+        client_id: &str,
+        connection_id: &str,
+    ) -> Result<Inbox, DeliveriesEnded> {
+        let (queue, receiver) = flume::bounded(INBOX_CAPACITY);
+        let mut table = self.lock();
+        if table.closed {
+            return Err(DeliveriesEnded);
+        }
+        table
+            .clients
+            .entry(client_id.to_owned())
+            .or_default()
+            .push(Held {
+                connection_id: connection_id.to_owned(),
+                queue,
+            });
+        Ok(Inbox {
+            routes: self.clone(),
+            client_id: client_id.to_owned(),
+            connection_id: connection_id.to_owned(),
+            queue: receiver,
+        })
+    }
+
+    /// How many clients have a connection here.
+    pub fn len(&self) -> usize {
+        self.lock().clients.len()
+    }
+
+    /// Whether no client has.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn close(&self, client_id: &str, connection_id: &str) {
+        let mut table = self.lock();
+        if let Some(held) = table.clients.get_mut(client_id) {
+            held.retain(|h| h.connection_id != connection_id);
+            if held.is_empty() {
+                table.clients.remove(client_id);
+            }
+        }
+    }
+
+    /// Ends every inbox: the connections see their deliveries end.
+    fn close_all(&self) {
+        let mut table = self.lock();
+        table.closed = true;
+        table.clients.clear();
+    }
+
+    fn route(&self, message: BusMessage) -> Routed {
+        let table = self.lock();
+        let Some(held) = message
+            .headers
+            .get(names::CLIENT)
+            .and_then(|client| table.clients.get(client))
+        else {
+            return Routed::NotHeld;
+        };
+        let named = message
+            .headers
+            .get(names::CONNECTION)
+            .and_then(|c| held.iter().find(|h| h.connection_id == c));
+        let Some(target) = named.or(held.last()) else {
+            return Routed::NotHeld;
+        };
+        match target.queue.try_send(message) {
+            Ok(()) => Routed::Queued,
+            // A receiver gone is an inbox being dropped: its connection is ending.
+            Err(flume::TrySendError::Disconnected(_)) => Routed::NotHeld,
+            Err(flume::TrySendError::Full(_)) => Routed::Full,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Subscribes to this gateway's delivery subject: done before the gateway serves, so nothing
+/// published for a client it registers is missed.
+pub async fn subscribe(
+    bus: &aip_bus::SharedBus,
+    subjects: &proto_schemas::Subjects,
+    gateway_id: &str,
+) -> Result<Subscription, aip_bus::BusError> {
+    bus.subscribe(subjects.deliver(gateway_id)).await
+}
+
+/// Routes the gateway's deliveries until its subscription ends; then every inbox ends, and
+/// with it every connection (clients reconnect, to this gateway or another).
+pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
+    while let Some(message) = subscription.next().await {
+        if message.headers.get(names::CONTROL) == Some(names::DEVICE_INFO) {
+            answer_device_info(&state, &message).await;
+            continue;
+        }
+        let client = message.headers.get(names::CLIENT).map(str::to_owned);
+        match state.routes.route(message) {
+            Routed::Queued => {}
+            Routed::NotHeld => {
+                tracing::debug!(
+                    client,
+                    "a delivery for a client this gateway does not hold, dropped"
+                );
+                metrics::counter!("aip_gateway_deliveries_total", "outcome" => "not_held")
+                    .increment(1);
+            }
+            Routed::Full => {
+                tracing::warn!(
+                    client,
+                    "a client's delivery queue is full; a delivery for it dropped"
+                );
+                metrics::counter!("aip_gateway_deliveries_total", "outcome" => "queue_full")
+                    .increment(1);
+            }
+        }
+    }
+    if !state.shutdown.is_cancelled() {
+        tracing::error!("the delivery subscription ended; closing every connection");
+    }
+    state.routes.close_all();
+}
+
+/// Another gateway asks, for one of its constellations, about a device: answered from this
+/// gateway's own table, as for a constellation of its own; [`names::NOT_HELD`] if the device
+/// is not registered here.
+async fn answer_device_info(state: &AppState, message: &BusMessage) {
+    let Some(reply) = &message.reply else {
+        return;
+    };
+    let device_id = message.headers.get(names::CLIENT).unwrap_or_default();
+    let (headers, payload) = match state.devices.get(device_id) {
+        Some(device) => match &device.system_info {
+            Some(info) => (
+                Headers::new(),
+                Bytes::copy_from_slice(info.get().as_bytes()),
+            ),
+            None => (
+                Headers::new().with(names::ERROR_CODE, ErrorCode::DeviceNotFound.as_str()),
+                Bytes::from(format!("Device {device_id} has no system info")),
+            ),
+        },
+        None => (
+            Headers::new().with(names::CONTROL, names::NOT_HELD),
+            Bytes::new(),
+        ),
+    };
+    if let Err(e) = state.bus.publish(reply.clone(), headers, payload).await {
+        tracing::debug!(device = %device_id, "device info answer not sent: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(client: &str, connection: Option<&str>, text: &str) -> BusMessage {
+        let mut headers = Headers::new().with(names::CLIENT, client);
+        if let Some(connection) = connection {
+            headers.insert(names::CONNECTION, connection);
+        }
+        BusMessage {
+            subject: "aip.deliver.gw".to_owned(),
+            reply: None,
+            headers,
+            payload: Bytes::copy_from_slice(text.as_bytes()),
+        }
+    }
+
+    fn received(inbox: &Inbox) -> Vec<Bytes> {
+        inbox.queue.drain().map(|m| m.payload).collect()
+    }
+
+    #[test]
+    fn a_delivery_reaches_the_named_connection_else_the_newest() {
+        let routes = Arc::new(Routes::default());
+        let old = routes.open("pc-1", "c1").expect("open");
+        let new = routes.open("pc-1", "c2").expect("open");
+        assert_eq!(routes.route(message("pc-1", None, "any")), Routed::Queued);
+        assert_eq!(
+            routes.route(message("pc-1", Some("c1"), "old")),
+            Routed::Queued
+        );
+        assert_eq!(
+            routes.route(message("pc-1", Some("c9"), "gone")),
+            Routed::Queued
+        );
+        assert_eq!(received(&old), ["old"]);
+        assert_eq!(received(&new), ["any", "gone"]);
+        assert_eq!(routes.route(message("pc-2", None, "x")), Routed::NotHeld);
+
+        drop(new);
+        assert_eq!(routes.route(message("pc-1", None, "back")), Routed::Queued);
+        assert_eq!(received(&old), ["back"]);
+        drop(old);
+        assert_eq!(routes.route(message("pc-1", None, "late")), Routed::NotHeld);
+        assert!(routes.is_empty());
+    }
+
+    #[test]
+    fn a_full_inbox_drops_and_a_closed_gateway_opens_none() {
+        let routes = Arc::new(Routes::default());
+        let inbox = routes.open("pc-1", "c1").expect("open");
+        for _ in 0..INBOX_CAPACITY {
+            assert_eq!(routes.route(message("pc-1", None, "x")), Routed::Queued);
+        }
+        assert_eq!(routes.route(message("pc-1", None, "x")), Routed::Full);
+        routes.close_all();
+        assert!(routes.open("pc-2", "c2").is_err());
+        assert_eq!(
+            inbox.queue.len(),
+            INBOX_CAPACITY,
+            "queued messages are still read"
+        );
+    }
+}
