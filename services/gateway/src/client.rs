@@ -76,7 +76,8 @@ pub(crate) struct Client {
     pub(crate) state: Arc<AppState>,
     pub(crate) connection: Connection,
     /// Unique per socket; the registry and the session service tell connections of the
-    /// same client apart by it.
+    /// same client apart by it. A UUIDv7, whose text sorts by creation time: the session
+    /// service takes the newer of two connections of a client as its route.
     pub(crate) connection_id: String,
     /// Who authenticated the socket: decides which identities it may register.
     pub(crate) principal: Principal,

@@ -1,16 +1,20 @@
 //! Which gateway holds each client, so that a frame for the client is published to that
 //! gateway's delivery subject (`deliver.{gateway}`).
 //!
-//! Learnt, newest first, from the frames a client sends (each names the gateway and the
-//! connection it came on); else from the registry's records (of a task's executor, of the
-//! candidates of a placement), which never replace what a frame said. A route is forgotten
+//! Learnt from the frames a client sends (each names the gateway and the connection it came
+//! on) and from the registry's records (of a task's executor, of the candidates of a
+//! placement). Of two routes the one of the newer connection wins: gateways name connections
+//! by UUIDv7, whose text sorts by creation time, so a late frame from a connection the client
+//! left, or a record older than the frame just read, changes nothing, while the record of a
+//! device that connected again elsewhere replaces the old route at once. A route is forgotten
 //! when its connection's `closed` event is read, and before a frame is sent again (a frame no
 //! gateway acknowledged may have gone to a gateway the client left): the registry is then
 //! asked ([`crate::engine::Engine`] publishes).
 //!
 //! A route can be wrong for a moment, when a client moved to another gateway and the session
-//! service has not heard yet: the frame is dropped by the gateway it reached, unacknowledged,
-//! and sent again after the outbox's resend delay, to the gateway the registry names then.
+//! service has neither heard from it nor read its new record: the frame is dropped by the
+//! gateway it reached, unacknowledged, and sent again after the outbox's resend delay, to the
+//! gateway the registry names then.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -34,12 +38,23 @@ struct Route {
 }
 
 impl Routes {
-    /// `client_id` sent a frame on `connection_id` through `gateway_id`: its newest route.
+    /// `client_id` sent a frame on `connection_id` through `gateway_id`.
     pub fn heard(&self, client_id: &str, gateway_id: &str, connection_id: &str) {
+        self.learn(client_id, gateway_id, connection_id);
+    }
+
+    /// The registry's record of a client (nothing if it is offline).
+    pub fn found(&self, record: &AgentRecord) {
+        if record.status != AgentStatus::Offline {
+            self.learn(&record.agent_id, &record.gateway_id, &record.connection_id);
+        }
+    }
+
+    /// Keeps the route unless the one known is of a newer connection.
+    fn learn(&self, client_id: &str, gateway_id: &str, connection_id: &str) {
         let mut table = self.lock();
         if let Some(route) = table.get(client_id)
-            && route.connection_id == connection_id
-            && route.gateway_id == gateway_id
+            && route.connection_id.as_str() >= connection_id
         {
             return;
         }
@@ -49,26 +64,6 @@ impl Routes {
             Route {
                 gateway_id: gateway_id.to_owned(),
                 connection_id: connection_id.to_owned(),
-            },
-        );
-    }
-
-    /// The registry's record of a client: its route, unless one is known (a frame the client
-    /// sent is newer than any record) or it is offline.
-    pub fn found(&self, record: &AgentRecord) {
-        if record.status == AgentStatus::Offline {
-            return;
-        }
-        let mut table = self.lock();
-        if table.contains_key(&record.agent_id) {
-            return;
-        }
-        make_room(&mut table, &record.agent_id);
-        table.insert(
-            record.agent_id.clone(),
-            Route {
-                gateway_id: record.gateway_id.clone(),
-                connection_id: record.connection_id.clone(),
             },
         );
     }
@@ -117,18 +112,28 @@ mod tests {
     }
 
     #[test]
-    fn a_frame_outranks_a_record_and_an_end_removes_only_its_own_route() {
+    fn the_newer_connection_wins_and_an_end_removes_only_its_own_route() {
         let routes = Routes::default();
-        routes.found(&record("pc", "gw-a", "c1"));
+        let [c1, c2, c3] = [1, 2, 3].map(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            uuid::Uuid::now_v7().to_string()
+        });
+        routes.found(&record("pc", "gw-a", &c1));
         assert_eq!(routes.gateway("pc").as_deref(), Some("gw-a"));
-        // The client moved: its frame says so, and an older record does not undo it.
-        routes.heard("pc", "gw-b", "c2");
-        routes.found(&record("pc", "gw-a", "c1"));
+        // The client moved: its frame says so, and an older record does not undo it, nor
+        // does a late frame from the connection it left.
+        routes.heard("pc", "gw-b", &c2);
+        routes.found(&record("pc", "gw-a", &c1));
+        routes.heard("pc", "gw-a", &c1);
         assert_eq!(routes.gateway("pc").as_deref(), Some("gw-b"));
-        // The old connection's end comes late: the new route stays.
-        routes.closed("pc", "c1");
-        assert_eq!(routes.gateway("pc").as_deref(), Some("gw-b"));
-        routes.closed("pc", "c2");
+        // It moved again: the registry's record says so before any frame of it.
+        routes.found(&record("pc", "gw-c", &c3));
+        assert_eq!(routes.gateway("pc").as_deref(), Some("gw-c"));
+        // The old connections' ends come late: the newest route stays.
+        routes.closed("pc", &c1);
+        routes.closed("pc", &c2);
+        assert_eq!(routes.gateway("pc").as_deref(), Some("gw-c"));
+        routes.closed("pc", &c3);
         assert_eq!(routes.gateway("pc"), None);
     }
 
