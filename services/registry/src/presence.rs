@@ -22,6 +22,9 @@ use crate::store::{AgentStore, PresenceFlush};
 pub struct PresenceBuffer {
     inner: Mutex<Pending>,
     stopping_arrived: Notify,
+    /// Whether the last flush that had something to write failed: the database then holds
+    /// older signs of life than the gateways sent ([`crate::reaper`] waits).
+    last_write_failed: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -87,6 +90,17 @@ impl PresenceBuffer {
             entry.1.entry(agent_id).or_insert(connection_id);
         }
         pending.stopping.extend(flush.stopping);
+    }
+
+    /// Whether the last write of presence failed (none written is no failure).
+    pub fn last_write_failed(&self) -> bool {
+        self.last_write_failed
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn wrote(&self, ok: bool) {
+        self.last_write_failed
+            .store(!ok, std::sync::atomic::Ordering::Release);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
@@ -155,7 +169,9 @@ pub async fn flush_once(buffer: &PresenceBuffer, store: &dyn AgentStore) {
     if flush.is_empty() {
         return;
     }
-    match store.apply_presence(&flush).await {
+    let written = store.apply_presence(&flush).await;
+    buffer.wrote(written.is_ok());
+    match written {
         Ok(applied) => {
             if applied.stopped > 0 {
                 tracing::info!(gateways = ?flush.stopping, agents = applied.stopped, "gateways stopping: their agents are offline");

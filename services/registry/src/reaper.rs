@@ -18,6 +18,12 @@
 //! therefore reaps only after its bus has answered for a whole liveness window, as it does
 //! after its own start. Without this, a NATS restart longer than the window took every live
 //! agent offline the moment the registry reconnected, and failed their tasks.
+//!
+//! Nor is the database's record of it while presence cannot be written there: during a
+//! database outage the signs of life wait in memory ([`crate::presence`]), so the reaper does
+//! not reap while the last write of presence failed. Without this, a database outage longer
+//! than the window took live agents offline when it ended, if the reaper ran before the first
+//! flush did.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -74,6 +80,7 @@ impl Hearing {
 /// report before their agents are judged.
 pub async fn run(
     store: Arc<dyn AgentStore>,
+    presence: Arc<crate::presence::PresenceBuffer>,
     notices: Notices,
     windows: Windows,
     interval: Duration,
@@ -104,6 +111,12 @@ pub async fn run(
             );
         }
         if !hearing.may_reap(Instant::now(), grace) {
+            continue;
+        }
+        if presence.last_write_failed() {
+            tracing::warn!(
+                "presence could not be written to the database: no agent is reaped until it is"
+            );
             continue;
         }
         match store.reap(&windows, FORGET_GATEWAYS_AFTER).await {

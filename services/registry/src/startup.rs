@@ -123,13 +123,14 @@ impl Application {
         // The flusher stops only after the listener, so its last flush holds every batch taken.
         let flush_stop = CancellationToken::new();
         let flush_task = tokio::spawn(presence::flush_periodically(
-            buffer,
+            buffer.clone(),
             store.clone(),
             settings.presence_flush(),
             flush_stop.clone(),
         ));
         let reaper_task = tokio::spawn(reaper::run(
             store.clone(),
+            buffer,
             notices,
             windows,
             settings.reap_interval(),

@@ -34,6 +34,7 @@ macro_rules! both_databases {
 }
 
 both_databases!(
+    a_presence_write_that_fails_is_kept_and_marked_so_the_reaper_waits,
     registrations_are_stored_and_read_back,
     the_same_connection_keeps_its_state_and_another_takes_over,
     refused_and_failed_registrations_write_nothing,
@@ -806,6 +807,51 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
         .await;
     assert_eq!(applied.refreshed, 0);
     assert_eq!(f.get("s-1").await.status, AgentStatus::Offline);
+    f.close().await;
+}
+
+/// Presence that cannot be written (the database is down) is kept for the next flush, and the
+/// buffer says the last write failed: the reaper does not reap then, since the database holds
+/// older signs of life than the gateways sent. The next flush that is written refreshes the
+/// agent and clears it.
+async fn a_presence_write_that_fails_is_kept_and_marked_so_the_reaper_waits(backend: Backend) {
+    use aip_registry::presence::{PresenceBuffer, flush_once};
+    use proto_schemas::registry::{PresenceBatch, PresenceEntry};
+
+    let f = Fixture::open(backend).await;
+    f.register(device("alive", "gw-1", "c1", "lab")).await;
+    f.set_last_seen("alive", Utc::now() - LONG_AGO).await;
+    let buffer = PresenceBuffer::default();
+    assert!(!buffer.last_write_failed(), "nothing written is no failure");
+    buffer.add(PresenceBatch {
+        version: proto_schemas::V1,
+        gateway_id: "gw-1".to_owned(),
+        interval_ms: 1_000,
+        alive: vec![PresenceEntry {
+            agent_id: "alive".to_owned(),
+            connection_id: "c1".to_owned(),
+        }],
+        stopping: false,
+    });
+
+    let down = f.test_db.connect().await.expect("connect");
+    let unreachable = store::for_database(&down);
+    down.close().await;
+    flush_once(&buffer, &*unreachable).await;
+    assert!(buffer.last_write_failed());
+
+    flush_once(&buffer, &*f.store).await;
+    assert!(!buffer.last_write_failed());
+    let reaped = f
+        .store
+        .reap(&WINDOWS, Duration::from_secs(3600))
+        .await
+        .expect("reap");
+    assert_eq!(
+        ended_ids(reaped),
+        Vec::<String>::new(),
+        "the kept flush was written"
+    );
     f.close().await;
 }
 
