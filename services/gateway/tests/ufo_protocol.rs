@@ -300,12 +300,7 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     .await;
     assert_eq!(closed.code, Some(1000), "{closed:?}");
     // Once it leaves gateway 1, it registers on gateway 0.
-    device.close().await;
-    until_offline(&stack, "far-pc").await;
-    let mut again = Ws::connect(&stack.ws_url(0)).await;
-    again.send(&register).await;
-    assert_registration_answer(&again.recv().await.expect("registration answer"));
-    eventually_on_gateway(&stack, "far-pc", &stack.gateways[0].id).await;
+    let mut again = move_to(&stack, device, 0, &register).await;
     again.heartbeat("far-pc", "device").await;
     galaxy.heartbeat("galaxy@far-pc", "device").await;
     // Now on the constellation's own gateway: answered there.
@@ -313,12 +308,7 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
 
     // It moves to gateway 2. Gateway 0 still thinks gateway 1 holds it: gateway 1 says it does
     // not, the registry is asked once, and gateway 2 answers after that.
-    again.close().await;
-    until_offline(&stack, "far-pc").await;
-    let mut moved = Ws::connect(&stack.ws_url(2)).await;
-    moved.send(&register).await;
-    assert_registration_answer(&moved.recv().await.expect("registration answer"));
-    eventually_on_gateway(&stack, "far-pc", &stack.gateways[2].id).await;
+    let mut moved = move_to(&stack, again, 2, &register).await;
     for round in 4..=5 {
         found(&mut galaxy, "galaxy@far-pc", "far-pc", round, &register).await;
     }
@@ -330,6 +320,22 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(constellation_gets_device_info_across_gateways);
+
+/// The device registered on `from` leaves it and registers on gateway `to`, and the registry
+/// says it is held there.
+async fn move_to(stack: &Stack, from: Ws, to: usize, register: &Value) -> Ws {
+    let id = register["client_id"]
+        .as_str()
+        .expect("client_id")
+        .to_owned();
+    from.close().await;
+    until_offline(stack, &id).await;
+    let mut moved = Ws::connect(&stack.ws_url(to)).await;
+    moved.send(register).await;
+    assert_registration_answer(&moved.recv().await.expect("registration answer"));
+    eventually_on_gateway(stack, &id, &stack.gateways[to].id).await;
+    moved
+}
 
 /// `asker` asks about `target` and gets the system info it registered with.
 async fn found(asker: &mut Ws, asker_id: &str, target: &str, round: u32, register: &Value) {

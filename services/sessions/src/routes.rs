@@ -114,9 +114,10 @@ mod tests {
     #[test]
     fn the_newer_connection_wins_and_an_end_removes_only_its_own_route() {
         let routes = Routes::default();
-        let [c1, c2, c3] = [1, 2, 3].map(|_| {
-            std::thread::sleep(std::time::Duration::from_millis(2));
-            uuid::Uuid::now_v7().to_string()
+        // Connection ids as gateways make them (UUIDv7), one second apart.
+        let [c1, c2, c3] = [1, 2, 3].map(|second| {
+            let at = uuid::Timestamp::from_unix(uuid::NoContext, 1_800_000_000 + second, 0);
+            uuid::Uuid::new_v7(at).to_string()
         });
         routes.found(&record("pc", "gw-a", &c1));
         assert_eq!(routes.gateway("pc").as_deref(), Some("gw-a"));
