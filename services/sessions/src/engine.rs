@@ -1089,7 +1089,7 @@ impl Engine {
     /// the outbox for the sweeper.
     async fn gateways_of(&self, frames: &[OutFrame]) -> HashMap<String, String> {
         let mut gateways = HashMap::new();
-        let mut unknown = Vec::new();
+        let mut unknown = std::collections::BTreeSet::new();
         for frame in frames {
             if gateways.contains_key(&frame.client_id) || unknown.contains(&frame.client_id) {
                 continue;
@@ -1098,9 +1098,12 @@ impl Engine {
                 Some(gateway) => {
                     gateways.insert(frame.client_id.clone(), gateway);
                 }
-                None => unknown.push(frame.client_id.clone()),
+                None => {
+                    unknown.insert(frame.client_id.clone());
+                }
             }
         }
+        let unknown: Vec<String> = unknown.into_iter().collect();
         for chunk in unknown.chunks(MAX_GET_MANY) {
             match self.registry.get_many(chunk).await {
                 Ok(records) => {
