@@ -13,6 +13,7 @@
 //! - [`flow`]: seed 004's flow messages (TaskRequest, HandoffNotification, …) and [`registry`]:
 //!   the registry's messages, both versioned subject payloads;
 //! - [`sessions`]: the session service's payloads (frames from gateways, the planner, tasks);
+//! - [`gateways`]: what gateways ask each other (device information, several devices at once);
 //! - [`error`]: the one [`ErrorCode`] used in ERROR frames, HTTP bodies and NATS replies;
 //! - [`subjects`]: the subject catalogue under a configurable prefix, with a reversible
 //!   encoding of client-provided ids into subject tokens;
@@ -28,6 +29,7 @@ pub mod enums;
 pub mod error;
 pub mod flow;
 pub mod frames;
+pub mod gateways;
 pub mod registry;
 pub mod schema;
 pub mod server;

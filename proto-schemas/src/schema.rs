@@ -10,7 +10,7 @@ use schemars::{JsonSchema, SchemaGenerator};
 use serde_json::{Map, Value, json};
 
 use crate::subjects::{CATALOGUE, DEFAULT_PREFIX, Pattern, SubjectSpec};
-use crate::{error, flow, frames, registry, sessions};
+use crate::{error, flow, frames, gateways, registry, sessions};
 
 /// One schema per name: every frame and subject payload.
 fn schema_entries(generator: &mut SchemaGenerator) -> Vec<(&'static str, Value)> {
@@ -44,6 +44,8 @@ fn schema_entries(generator: &mut SchemaGenerator) -> Vec<(&'static str, Value)>
         "ManageAgents" => registry::ManageAgents,
         "ManageAgentsReply" => registry::ManageAgentsReply,
         "DeliveryAck" => sessions::DeliveryAck,
+        "DeviceInfoRequest" => gateways::DeviceInfoRequest,
+        "DeviceInfoReply" => gateways::DeviceInfoReply,
         "TaskRequest" => flow::TaskRequest,
         "TaskResponse" => flow::TaskResponse,
         "HandoffNotification" => flow::HandoffNotification,
@@ -150,6 +152,8 @@ fn standalone_by_name(name: &str) -> Value {
         "ManageAgents" => registry::ManageAgents,
         "ManageAgentsReply" => registry::ManageAgentsReply,
         "DeliveryAck" => sessions::DeliveryAck,
+        "DeviceInfoRequest" => gateways::DeviceInfoRequest,
+        "DeviceInfoReply" => gateways::DeviceInfoReply,
         "TaskRequest" => flow::TaskRequest,
         "TaskResponse" => flow::TaskResponse,
         "HandoffNotification" => flow::HandoffNotification,

@@ -228,7 +228,12 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             named in `Aip-Client`, for a constellation on another gateway: the device's \
             registered system information as JSON, `Aip-Error-Code: DEVICE_NOT_FOUND` with the \
             reason as text, or `Aip-Control: not-held` when the gateway does not hold the device \
-            (the asker then asks the registry); nothing reaches the client.",
+            (the asker then asks the registry); nothing reaches the client. The same request \
+            with a `DeviceInfoRequest` as its payload asks about several devices at once (the \
+            requests of many constellations to the same gateway, gathered while earlier ones are \
+            on their way; `Aip-Client` names the first): it is answered with \
+            `Aip-Control: device-info-batch` and a `DeviceInfoReply`, one answer per device in \
+            the request's order.",
     },
     SubjectSpec {
         name: "sessions.acks",

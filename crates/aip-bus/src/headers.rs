@@ -25,6 +25,10 @@ pub mod names {
     /// and the reason as the payload; a gateway not holding it, with [`NOT_HELD`]. Nothing
     /// reaches the device.
     pub const DEVICE_INFO: &str = "device-info";
+    /// [`CONTROL`] of the answer to a [`DEVICE_INFO`] request that named several devices in a
+    /// `DeviceInfoRequest` payload: a `DeviceInfoReply` with an answer per device. An answer
+    /// without it is for the device in [`CLIENT`] alone (a gateway of an earlier version).
+    pub const DEVICE_INFO_BATCH: &str = "device-info-batch";
     /// The connection a control instruction is about; on a frame for a client, the one
     /// connection of it that may receive the frame (another connection drops it).
     pub const CONNECTION: &str = "Aip-Connection";

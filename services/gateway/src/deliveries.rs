@@ -20,6 +20,9 @@ use aip_bus::{Headers, Message as BusMessage, Subscription, names};
 use bytes::Bytes;
 use futures::StreamExt;
 use proto_schemas::ErrorCode;
+use proto_schemas::gateways::{
+    DeviceInfoReply, DeviceInfoRequest, HeldDevice, MAX_DEVICE_INFO_BATCH,
+};
 
 use crate::AppState;
 
@@ -216,15 +219,27 @@ pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
     state.routes.close_all();
 }
 
-/// Another gateway asks, for one of its constellations, about a device: answered from this
-/// gateway's own table, as for a constellation of its own; [`names::NOT_HELD`] if the device
-/// is not registered here.
+/// Another gateway asks, for its constellations, about a device or several: answered from
+/// this gateway's own table, as for a constellation of its own; [`names::NOT_HELD`] for a
+/// device not registered here.
 async fn answer_device_info(state: &AppState, message: &BusMessage) {
     let Some(reply) = &message.reply else {
         return;
     };
-    let device_id = message.headers.get(names::CLIENT).unwrap_or_default();
-    let (headers, payload) = match state.devices.get(device_id) {
+    let (headers, payload) = if message.payload.is_empty() {
+        let device_id = message.headers.get(names::CLIENT).unwrap_or_default();
+        answer_one(state, device_id)
+    } else {
+        answer_many(state, &message.payload)
+    };
+    if let Err(e) = state.bus.publish(reply.clone(), headers, payload).await {
+        tracing::debug!("device info answer not sent: {e}");
+    }
+}
+
+/// The answer about one device, in the form of a request without payload.
+fn answer_one(state: &AppState, device_id: &str) -> (Headers, Bytes) {
+    match state.devices.get(device_id) {
         Some(device) => match &device.system_info {
             Some(info) => (
                 Headers::new(),
@@ -239,9 +254,58 @@ async fn answer_device_info(state: &AppState, message: &BusMessage) {
             Headers::new().with(names::CONTROL, names::NOT_HELD),
             Bytes::new(),
         ),
+    }
+}
+
+/// The answers about the devices of a [`DeviceInfoRequest`], in its order. A request that
+/// cannot be read is answered with the reason, as a refusal.
+fn answer_many(state: &AppState, payload: &[u8]) -> (Headers, Bytes) {
+    let request = serde_json::from_slice::<DeviceInfoRequest>(payload)
+        .map_err(|e| e.to_string())
+        .and_then(|request| {
+            if request.device_ids.len() > MAX_DEVICE_INFO_BATCH {
+                Err(format!(
+                    "{} devices named; at most {MAX_DEVICE_INFO_BATCH} in one request",
+                    request.device_ids.len()
+                ))
+            } else {
+                Ok(request)
+            }
+        });
+    let request = match request {
+        Ok(request) => request,
+        Err(e) => {
+            tracing::warn!("an unreadable device-info request from another gateway: {e}");
+            return (
+                Headers::new().with(names::ERROR_CODE, ErrorCode::InvalidRequest.as_str()),
+                Bytes::from(format!("unreadable DeviceInfoRequest: {e}")),
+            );
+        }
     };
-    if let Err(e) = state.bus.publish(reply.clone(), headers, payload).await {
-        tracing::debug!(device = %device_id, "device info answer not sent: {e}");
+    let devices = request
+        .device_ids
+        .iter()
+        .map(|id| match state.devices.get(id) {
+            Some(device) => match &device.system_info {
+                Some(info) => HeldDevice::Info(info.clone()),
+                None => HeldDevice::NoSystemInfo,
+            },
+            None => HeldDevice::NotHeld,
+        })
+        .collect();
+    let answer = DeviceInfoReply {
+        version: proto_schemas::V1,
+        devices,
+    };
+    match serde_json::to_vec(&answer) {
+        Ok(body) => (
+            Headers::new().with(names::CONTROL, names::DEVICE_INFO_BATCH),
+            Bytes::from(body),
+        ),
+        Err(e) => (
+            Headers::new().with(names::ERROR_CODE, ErrorCode::Internal.as_str()),
+            Bytes::from(format!("device info not serialisable: {e}")),
+        ),
     }
 }
 

@@ -19,6 +19,7 @@ mod events;
 mod handlers;
 mod identity;
 pub mod inbound;
+pub mod peers;
 pub mod presence;
 pub mod rate;
 pub mod replies;
@@ -76,6 +77,8 @@ pub struct AppState {
     pub devices: devices::LocalDevices,
     /// The gateways holding devices on other gateways that constellations here asked about.
     pub holders: devices::Holders,
+    /// Device-info requests to other gateways, gathered per gateway.
+    pub peers: peers::Peers,
     /// The connections deliveries go to, by client.
     pub routes: Arc<deliveries::Routes>,
     /// True once the registry confirmed that this process started (the previous process's
@@ -272,6 +275,11 @@ impl runner::Service for Application {
             &settings.gateway.allowed_origins,
             settings.gateway.listen,
         );
+        let peers = peers::Peers::new(
+            bus.clone(),
+            subjects.clone(),
+            std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
+        );
         let state = Arc::new(AppState {
             origins,
             registry,
@@ -283,6 +291,7 @@ impl runner::Service for Application {
             gateway_id,
             blobs: aip_bus::BlobStore::for_subjects(&subjects),
             acks: acks::DeliveryAcks::start(bus.clone()),
+            peers,
             bus,
             subjects,
             credentials,

@@ -12,6 +12,7 @@ use common::{
     Ws, agent, assert_error, assert_registration_answer, online_clients, refused_registration,
     registered, until_offline, until_online,
 };
+use futures::StreamExt;
 use serde_json::{Value, json};
 
 fn options() -> Options {
@@ -320,6 +321,94 @@ async fn constellation_gets_device_info_across_gateways(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(constellation_gets_device_info_across_gateways);
+
+/// Many constellations on gateway 0 ask at once about devices on gateway 1: each gets its own
+/// device's answer, and each request reaches gateway 1 exactly once (requests on their way
+/// together travel in one bus message, `DeviceInfoRequest`).
+async fn many_constellations_ask_about_devices_on_another_gateway_at_once(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            gateways: 2,
+            ..options()
+        },
+    )
+    .await
+    .expect("stack");
+    let registers: Vec<Value> = ["far-a", "far-b"]
+        .iter()
+        .map(|id| device_register(id, "linux"))
+        .collect();
+    let mut devices = Vec::new();
+    for register in &registers {
+        devices.push(registered(&stack.ws_url(1), register).await);
+    }
+    for id in ["far-a", "far-b"] {
+        until_online(&stack, id).await;
+    }
+    let mut askers = Vec::new();
+    for i in 0..20 {
+        let id = format!("c{i}@any");
+        askers.push((
+            registered(&stack.ws_url(0), &constellation_register(&id, None)).await,
+            id,
+        ));
+    }
+    // Gateway 0 learns from the registry that gateway 1 holds both.
+    for (i, register) in registers.iter().enumerate() {
+        let target = register["client_id"].as_str().expect("id");
+        let (first, first_id) = &mut askers[0];
+        found(first, first_id, target, i as u32, register).await;
+    }
+
+    let subjects = proto_schemas::Subjects::new(&stack.prefix).expect("prefix");
+    let mut crossing = stack
+        .bus
+        .subscribe(subjects.deliver(&stack.gateways[1].id))
+        .await
+        .expect("subscribed");
+    for round in 0..3 {
+        for (i, (asker, id)) in askers.iter_mut().enumerate() {
+            let target = registers[(i + round) % 2]["client_id"]
+                .as_str()
+                .expect("id");
+            let request_id = format!("{id}-{round}");
+            asker
+                .send(&device_info_request(id, target, &request_id))
+                .await;
+        }
+        for (i, (asker, id)) in askers.iter_mut().enumerate() {
+            let register = &registers[(i + round) % 2];
+            let info = asker.recv_kind("device_info_response").await;
+            assert_eq!(info["status"], "ok", "{info}");
+            assert_eq!(info["response_id"], format!("{id}-{round}"), "{info}");
+            assert_eq!(
+                info["result"], register["metadata"]["system_info"],
+                "{info}"
+            );
+        }
+    }
+    let mut asked = 0;
+    while let Ok(Some(message)) =
+        tokio::time::timeout(std::time::Duration::from_millis(500), crossing.next()).await
+    {
+        assert_eq!(
+            message.headers.get(aip_bus::names::CONTROL),
+            Some(aip_bus::names::DEVICE_INFO)
+        );
+        asked += if message.payload.is_empty() {
+            1
+        } else {
+            let request: proto_schemas::gateways::DeviceInfoRequest =
+                serde_json::from_slice(&message.payload).expect("a DeviceInfoRequest");
+            request.device_ids.len()
+        };
+    }
+    assert_eq!(asked, 60, "each of the 60 requests crossed once");
+    drop(devices);
+    stack.stop().await;
+}
+both_backends!(many_constellations_ask_about_devices_on_another_gateway_at_once);
 
 /// The device registered on `from` leaves it and registers on gateway `to`, and the registry
 /// says it is held there.

@@ -3,21 +3,19 @@
 //! Answered from this gateway's own devices ([`crate::devices`]) when the device is one of
 //! them; else by the gateway holding the device, asked on its delivery subject
 //! ([`aip_bus::names::DEVICE_INFO`]), which answers from its own table: no registry request
-//! and no database read. Which gateway that is comes from the registry, the first time (its
+//! and no database read. Requests to the same gateway on their way at once go together
+//! ([`crate::peers`]). Which gateway that is comes from the registry, the first time (its
 //! record answers that request), and is remembered ([`crate::devices::Holders`]) until that
 //! gateway no longer holds the device. Only a constellation may ask, and one registered for a
 //! device only about that device.
 
-use std::time::Duration;
-
-use aip_bus::{BusError, Headers, RegistryError, names};
-use bytes::Bytes;
+use aip_bus::RegistryError;
 use proto_schemas::registry::AgentStatus;
 use proto_schemas::{ClientMessage, ClientType, ErrorCode, server};
-use serde_json::value::RawValue;
 
 use crate::client::{Client, End};
 use crate::identity::Identity;
+use crate::peers::Held;
 use crate::replies;
 
 pub(crate) async fn handle(
@@ -66,7 +64,7 @@ pub(crate) async fn handle(
         };
     }
     if let Some(gateway) = client.state.holders.get(&target) {
-        match ask_holder(client, &gateway, &target).await {
+        match client.state.peers.ask(&gateway, &target).await {
             Held::Info(info) => {
                 return match replies::device_info(request_id, &info) {
                     Ok(text) => Ok(connection.write_text(text)?),
@@ -89,7 +87,7 @@ pub(crate) async fn handle(
                 client.state.holders.forget(&target, &gateway);
                 return Ok(connection.write(&server::device_info_error(
                     request_id,
-                    e.to_string(),
+                    e,
                     ErrorCode::Unavailable,
                 ))?);
             }
@@ -127,44 +125,4 @@ pub(crate) async fn handle(
         ),
     };
     Ok(connection.write(&answer)?)
-}
-
-/// What the gateway holding a device answered.
-enum Held {
-    /// Its system information.
-    Info(Box<RawValue>),
-    /// Why there is none (it holds no such device, or the device sent none).
-    Refused(String),
-    /// That gateway does not hold it (or no gateway of that id is running).
-    NotHeld,
-    /// The bus failed, or the holder did not answer in time.
-    Failed(BusError),
-}
-
-/// Asks `gateway`, thought to hold `device`.
-async fn ask_holder(client: &Client, gateway: &str, device: &str) -> Held {
-    let state = &client.state;
-    let subject = state.subjects.deliver(gateway);
-    let headers = Headers::new()
-        .with(names::CONTROL, names::DEVICE_INFO)
-        .with(names::CLIENT, device);
-    let patience = Duration::from_millis(state.settings.gateway.request_timeout_ms);
-    match state
-        .bus
-        .request(subject, headers, Bytes::new(), patience)
-        .await
-    {
-        Ok(reply) if reply.headers.get(names::CONTROL) == Some(names::NOT_HELD) => Held::NotHeld,
-        Ok(reply) if reply.headers.get(names::ERROR_CODE).is_some() => {
-            Held::Refused(String::from_utf8_lossy(&reply.payload).into_owned())
-        }
-        Ok(reply) => match serde_json::from_slice::<Box<RawValue>>(&reply.payload) {
-            Ok(info) => Held::Info(info),
-            Err(e) => Held::Refused(format!(
-                "Device {device}'s system info could not be read: {e}"
-            )),
-        },
-        Err(BusError::NoResponders { .. }) => Held::NotHeld,
-        Err(e) => Held::Failed(e),
-    }
 }
