@@ -72,6 +72,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Frames from the session service for clients, by `outcome` (written; duplicate and other_connection: dropped; not_held: for a client this gateway does not hold, dropped unanswered; queue_full: the connection's queue of 256 was full).",
     ),
     (
+        "aip_gateway_peer_device_info_requests_total",
+        Kind::Counter,
+        "Device-info requests sent to the gateways holding devices, one per bus message, by `form` (single: one device; batch: the requests that gathered while one was on its way).",
+    ),
+    (
+        "aip_gateway_peer_device_info_devices_total",
+        Kind::Counter,
+        "Devices named in those requests (divided by the requests: devices per bus message).",
+    ),
+    (
         "aip_gateway_reads_paused_total",
         Kind::Counter,
         "Times a connection's reading paused, by `reason` (byte_rate: over `bytes_per_second`).",

@@ -11,16 +11,15 @@ fn aip_dev_runs_the_built_in_agent_against_a_real_device() {
     let seen = Seen::default();
     let base_url = model_server(seen.clone());
     let data = TempDir::new("llm");
-    let (dev, rest, ws) = start_dev(
+    let (mut dev, rest, ws) = start_dev(
         data.path(),
         &["--llm-base-url", &base_url, "--llm-model", "local-model"],
     );
-    assert!(
-        dev.stdout()
-            .contains("planner    llm, model local-model at"),
-        "the banner names the planner:\n{}",
-        dev.stdout()
-    );
+    // The banner's later lines may still be on their way when the URLs are read.
+    dev.wait_for_stdout("the banner's planner line", |out| {
+        out.contains("planner    llm, model local-model at")
+            .then_some(())
+    });
     let _device = start_device(&ws, &rest, "agent-pc", "demo");
 
     let run = aip(&[

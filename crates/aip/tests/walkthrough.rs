@@ -10,11 +10,10 @@ use common::{TempDir, aip, start_dev, start_device, task_until};
 fn walkthrough_survives_a_restart() {
     let data = TempDir::new("walkthrough");
     let (mut dev, rest, ws) = start_dev(data.path(), &[]);
-    assert!(
-        dev.stdout().contains("aip device") && dev.stdout().contains("aip dispatch"),
-        "the banner says what to run next:\n{}",
-        dev.stdout()
-    );
+    // The banner's later lines may still be on their way when the URLs are read.
+    dev.wait_for_stdout("the banner's next steps", |out| {
+        (out.contains("aip device") && out.contains("aip dispatch")).then_some(())
+    });
 
     let mut device = start_device(&ws, &rest, "demo-pc", "demo");
 

@@ -185,6 +185,7 @@ impl Exchange {
                 return None;
             }
         };
+        counted("batch", batch.len());
         let headers = Headers::new()
             .with(names::CONTROL, names::DEVICE_INFO)
             .with(names::CLIENT, &batch[0].device_id);
@@ -256,6 +257,7 @@ impl Exchange {
 
     /// Asks about one device, in the form without payload.
     async fn request_one(&self, subject: &str, device_id: &str) -> Result<Message, BusError> {
+        counted("single", 1);
         let headers = Headers::new()
             .with(names::CONTROL, names::DEVICE_INFO)
             .with(names::CLIENT, device_id);
@@ -263,6 +265,12 @@ impl Exchange {
             .request(subject.to_owned(), headers, Bytes::new(), self.patience)
             .await
     }
+}
+
+/// Counts a request to another gateway naming `devices` devices.
+fn counted(form: &'static str, devices: usize) {
+    metrics::counter!("aip_gateway_peer_device_info_requests_total", "form" => form).increment(1);
+    metrics::counter!("aip_gateway_peer_device_info_devices_total").increment(devices as u64);
 }
 
 /// The answer to a request about one device.
