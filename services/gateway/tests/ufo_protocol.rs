@@ -22,6 +22,19 @@ fn options() -> Options {
     }
 }
 
+/// A stack of `gateways` gateways, the registry and no session service.
+async fn with_gateways(backend: Backend, gateways: usize) -> Stack {
+    Stack::start(
+        backend,
+        Options {
+            gateways,
+            ..options()
+        },
+    )
+    .await
+    .expect("stack")
+}
+
 /// A device-info request as a device would send it (`client_type` of the caller's choice).
 fn device_info_request_as(id: &str, client_type: Value, target: &str, request_id: &str) -> Value {
     let mut frame = device_info_request(id, target, request_id);
@@ -252,15 +265,7 @@ both_backends!(ufo_registration_refusals);
 /// the first time (and its record answers), then that gateway answers from its own table.
 /// When the device moves on, the gateway it left says so and the registry is asked again.
 async fn constellation_gets_device_info_across_gateways(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            gateways: 3,
-            ..options()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = with_gateways(backend, 3).await;
     let mut gets = registry_gets(&stack).await;
     let register = device_register("far-pc", "linux");
     let device = registered(&stack.ws_url(1), &register).await;
@@ -326,15 +331,7 @@ both_backends!(constellation_gets_device_info_across_gateways);
 /// device's answer, and each request reaches gateway 1 exactly once (requests on their way
 /// together travel in one bus message, `DeviceInfoRequest`).
 async fn many_constellations_ask_about_devices_on_another_gateway_at_once(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            gateways: 2,
-            ..options()
-        },
-    )
-    .await
-    .expect("stack");
+    let stack = with_gateways(backend, 2).await;
     let registers: Vec<Value> = ["far-a", "far-b"]
         .iter()
         .map(|id| device_register(id, "linux"))
