@@ -237,20 +237,29 @@ async fn answer_device_info(state: &AppState, message: &BusMessage) {
     }
 }
 
-/// The answer about one device, in the form of a request without payload.
-fn answer_one(state: &AppState, device_id: &str) -> (Headers, Bytes) {
+/// What this gateway knows of `device_id`.
+fn held(state: &AppState, device_id: &str) -> HeldDevice {
     match state.devices.get(device_id) {
         Some(device) => match &device.system_info {
-            Some(info) => (
-                Headers::new(),
-                Bytes::copy_from_slice(info.get().as_bytes()),
-            ),
-            None => (
-                Headers::new().with(names::ERROR_CODE, ErrorCode::DeviceNotFound.as_str()),
-                Bytes::from(format!("Device {device_id} has no system info")),
-            ),
+            Some(info) => HeldDevice::Info(info.clone()),
+            None => HeldDevice::NoSystemInfo,
         },
-        None => (
+        None => HeldDevice::NotHeld,
+    }
+}
+
+/// The answer about one device, in the form of a request without payload.
+fn answer_one(state: &AppState, device_id: &str) -> (Headers, Bytes) {
+    match held(state, device_id) {
+        HeldDevice::Info(info) => (
+            Headers::new(),
+            Bytes::from(Box::<str>::from(info).into_string()),
+        ),
+        HeldDevice::NoSystemInfo => (
+            Headers::new().with(names::ERROR_CODE, ErrorCode::DeviceNotFound.as_str()),
+            Bytes::from(format!("Device {device_id} has no system info")),
+        ),
+        HeldDevice::NotHeld => (
             Headers::new().with(names::CONTROL, names::NOT_HELD),
             Bytes::new(),
         ),
@@ -285,13 +294,7 @@ fn answer_many(state: &AppState, payload: &[u8]) -> (Headers, Bytes) {
     let devices = request
         .device_ids
         .iter()
-        .map(|id| match state.devices.get(id) {
-            Some(device) => match &device.system_info {
-                Some(info) => HeldDevice::Info(info.clone()),
-                None => HeldDevice::NoSystemInfo,
-            },
-            None => HeldDevice::NotHeld,
-        })
+        .map(|id| held(state, id))
         .collect();
     let answer = DeviceInfoReply {
         version: proto_schemas::V1,

@@ -186,9 +186,7 @@ impl Exchange {
             }
         };
         counted("batch", batch.len());
-        let headers = Headers::new()
-            .with(names::CONTROL, names::DEVICE_INFO)
-            .with(names::CLIENT, &batch[0].device_id);
+        let headers = request_headers(&batch[0].device_id);
         let reply = self
             .bus
             .request(subject.to_owned(), headers, payload, self.patience)
@@ -258,13 +256,19 @@ impl Exchange {
     /// Asks about one device, in the form without payload.
     async fn request_one(&self, subject: &str, device_id: &str) -> Result<Message, BusError> {
         counted("single", 1);
-        let headers = Headers::new()
-            .with(names::CONTROL, names::DEVICE_INFO)
-            .with(names::CLIENT, device_id);
+        let headers = request_headers(device_id);
         self.bus
             .request(subject.to_owned(), headers, Bytes::new(), self.patience)
             .await
     }
+}
+
+/// The headers of a device-info request: a batch names its first device, as a lone request
+/// names its only one.
+fn request_headers(first_device: &str) -> Headers {
+    Headers::new()
+        .with(names::CONTROL, names::DEVICE_INFO)
+        .with(names::CLIENT, first_device)
 }
 
 /// Counts a request to another gateway naming `devices` devices.
@@ -423,24 +427,23 @@ mod tests {
         let bus: SharedBus = Arc::new(LocalBus::new());
         let subjects = Subjects::new("t").expect("prefix");
         // Subscribed, never answering.
-        let _silent = bus
+        let mut silent = bus
             .subscribe(subjects.deliver("gw-stuck"))
             .await
             .expect("subscribe");
         let patience = Duration::from_millis(300);
         let peers = Arc::new(Peers::new(bus, subjects, patience));
         let started = tokio::time::Instant::now();
-        let asks = (0..20).map(|i| {
+        let ask = |i: usize| {
             let peers = peers.clone();
-            async move {
-                // The first leaves alone; the others gather behind it.
-                if i > 0 {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                peers.ask("gw-stuck", &format!("d{i}")).await
-            }
-        });
-        for held in futures::future::join_all(asks).await {
+            tokio::spawn(async move { peers.ask("gw-stuck", &format!("d{i}")).await })
+        };
+        // The first leaves alone; once it is on its way, the others gather behind it.
+        let mut asked = vec![ask(0)];
+        silent.next().await.expect("the first request");
+        asked.extend((1..20).map(ask));
+        for held in futures::future::join_all(asked).await {
+            let held = held.expect("asked");
             assert!(matches!(held, Held::Failed(_)), "{held:?}");
         }
         // One wait for the batch on its way, not one more for the requests behind it (the
