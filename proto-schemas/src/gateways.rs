@@ -54,17 +54,19 @@ mod tests {
         let reply = DeviceInfoReply {
             version: V1,
             devices: vec![
-                HeldDevice::Info(RawValue::from_string(r#"{"os":"linux"}"#.to_owned()).unwrap()),
+                HeldDevice::Info(
+                    RawValue::from_string(r#"{"os":"linux"}"#.to_owned()).expect("JSON"),
+                ),
                 HeldDevice::NoSystemInfo,
                 HeldDevice::NotHeld,
             ],
         };
-        let text = serde_json::to_string(&reply).unwrap();
+        let text = serde_json::to_string(&reply).expect("encoded");
         assert_eq!(
             text,
             r#"{"version":1,"devices":[{"info":{"os":"linux"}},"no_system_info","not_held"]}"#
         );
-        let back: DeviceInfoReply = serde_json::from_str(&text).unwrap();
+        let back: DeviceInfoReply = serde_json::from_str(&text).expect("read back");
         assert!(
             matches!(&back.devices[0], HeldDevice::Info(info) if info.get() == r#"{"os":"linux"}"#)
         );

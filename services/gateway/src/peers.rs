@@ -332,7 +332,7 @@ mod tests {
                     let answer = |id: &str| match id {
                         "d9" => HeldDevice::NoSystemInfo,
                         id if id.starts_with('d') && id.len() == 2 => {
-                            HeldDevice::Info(RawValue::from_string(info_of(id)).unwrap())
+                            HeldDevice::Info(RawValue::from_string(info_of(id)).expect("JSON"))
                         }
                         _ => HeldDevice::NotHeld,
                     };
@@ -345,7 +345,7 @@ mod tests {
                         };
                         (
                             Headers::new().with(names::CONTROL, names::DEVICE_INFO_BATCH),
-                            Bytes::from(serde_json::to_vec(&reply).unwrap()),
+                            Bytes::from(serde_json::to_vec(&reply).expect("encoded")),
                         )
                     } else {
                         match answer(message.headers.get(names::CLIENT).expect("Aip-Client")) {
@@ -454,7 +454,11 @@ mod tests {
     #[tokio::test]
     async fn no_gateway_of_that_id_means_it_holds_nothing() {
         let bus: SharedBus = Arc::new(LocalBus::new());
-        let peers = Peers::new(bus, Subjects::new("t").unwrap(), Duration::from_secs(1));
+        let peers = Peers::new(
+            bus,
+            Subjects::new("t").expect("prefix"),
+            Duration::from_secs(1),
+        );
         assert!(matches!(peers.ask("gw-gone", "d1").await, Held::NotHeld));
     }
 }
