@@ -40,6 +40,7 @@ both_databases!(
     refused_and_failed_registrations_write_nothing,
     unregistrations_take_only_their_connection_offline,
     a_batch_answers_each_write_in_order,
+    a_batch_written_again_leaves_its_agents_as_the_first_write_did,
     live_devices_are_told_from_the_rest,
     lookup_offers_live_available_agents_least_loaded_first,
     list_filters_by_status_type_and_capabilities,
@@ -556,6 +557,52 @@ async fn a_batch_answers_each_write_in_order(backend: Backend) {
         .write(WriteBatch::default(), &aip_registry::registry::admit)
         .await;
     assert!(empty.registered.is_empty() && empty.unregistered.is_empty());
+    f.close().await;
+}
+
+/// A batch whose answer was lost is written again whole (the group commit does so when a
+/// PostgreSQL batch's second part fails after its first committed): each registration is
+/// still its connection's, each unregistered agent still offline, and nothing is refused.
+async fn a_batch_written_again_leaves_its_agents_as_the_first_write_did(backend: Backend) {
+    let f = Fixture::open(backend).await;
+    f.register(device("leaving", "gw-1", "c1", "anonymous"))
+        .await;
+    f.register(device("again", "gw-1", "c2", "alice")).await;
+    let batch = WriteBatch {
+        unregisters: vec![Unregister {
+            agent_id: "leaving".to_owned(),
+            connection_id: "c1".to_owned(),
+        }],
+        registers: vec![
+            device("fresh", "gw-1", "c3", "anonymous"),
+            device("again", "gw-1", "c4", "alice"),
+        ],
+    };
+    let first = f.write(batch.clone(), &aip_registry::registry::admit).await;
+    let second = f.write(batch, &aip_registry::registry::admit).await;
+    let went_offline = |outcome: &BatchOutcome| -> Vec<bool> {
+        outcome
+            .unregistered
+            .iter()
+            .map(|r| *r.as_ref().expect("unregistered"))
+            .collect()
+    };
+    assert_eq!(went_offline(&first), [true]);
+    assert_eq!(went_offline(&second), [false], "offline already");
+    for outcome in [&first, &second] {
+        let holders: Vec<&str> = outcome
+            .registered
+            .iter()
+            .map(|r| match r {
+                Ok(RegisterOutcome::Registered(r)) => r.agent.connection_id.as_str(),
+                other => panic!("registered: {other:?}"),
+            })
+            .collect();
+        assert_eq!(holders, ["c3", "c4"]);
+    }
+    assert_eq!(f.get("leaving").await.status, AgentStatus::Offline);
+    assert_eq!(f.get("fresh").await.connection_id, "c3");
+    assert_eq!(f.get("again").await.connection_id, "c4");
     f.close().await;
 }
 

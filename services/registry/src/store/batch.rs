@@ -1,5 +1,8 @@
-//! Registrations and unregistrations, a batch per transaction (group commit).
+//! Registrations and unregistrations, a batch at a time (group commit).
 //!
+//! On PostgreSQL, unregistrations and registrations of ids nobody has go first, in one
+//! statement that is its own transaction (the common case: one round trip). What is left,
+//! registrations of ids that exist, and on SQLite the whole batch, is written as follows.
 //! The batch locks its ids' rows and reads their holders in one statement (in id order, so
 //! that batches and presence flushes, which lock the same way, cannot deadlock), judges each
 //! registration against the holder it read, then writes. A first registration inserts with
@@ -8,18 +11,18 @@
 //! transaction holds the whole database, so nobody gets in between there.
 //! Registering gateways are recorded alive before the batch's transaction.
 
-use std::collections::HashMap;
-use std::sync::LazyLock;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use aip_store::{List, Sql, Tx};
+use aip_store::{Database, List, Sql, Tx};
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
 use sqlx::FromRow;
 use sqlx::types::Json;
 
 use super::{
     AGENT_COLUMNS, Admit, AgentRow, BatchOutcome, Holder, RETURNING_COLUMNS, RegisterOutcome,
-    SqlAgentStore, StoreError, Windows, WriteBatch, extension_names, millis,
+    SqlAgentStore, StoreError, Unregister, Windows, WriteBatch, extension_names, millis,
 };
 
 /// A registration records its gateway as alive (its presence reports may not have been
@@ -159,9 +162,8 @@ struct Admitted<'r> {
 }
 
 impl SqlAgentStore {
-    /// On PostgreSQL four round trips whatever the batch holds: `BEGIN`, one statement
-    /// locking and reading every row the batch writes, one statement writing them all,
-    /// `COMMIT` (two more for new ids that a concurrent registration created first).
+    /// Writes the batch: on PostgreSQL new ids and unregistrations first, in one statement
+    /// ([`Self::write_new_first`]); on SQLite all of it in one locked transaction.
     pub(super) async fn write(
         &self,
         batch: &WriteBatch,
@@ -169,15 +171,105 @@ impl SqlAgentStore {
         admit: &Admit,
     ) -> Result<BatchOutcome, StoreError> {
         self.refresh_gateways(batch).await?;
+        match &self.db {
+            Database::Postgres(pool) => self.write_new_first(pool, batch, windows, admit).await,
+            Database::Sqlite(_) => {
+                let registers: Vec<&RegisterAgent> = batch.registers.iter().collect();
+                self.write_locked(&batch.unregisters, &registers, windows, admit)
+                    .await
+            }
+        }
+    }
+
+    /// PostgreSQL: one statement without a transaction of its own takes the
+    /// unregistrations' agents offline and inserts every registration whose id nobody has
+    /// (judged by `admit` against no holder): one round trip and one commit, where the
+    /// locked transaction takes four. Registrations of ids that exist (a device registering
+    /// again) are then judged against their holders and written by [`Self::write_locked`].
+    ///
+    /// Both parts are safe to write again: an unregistration written twice finds its agent
+    /// offline already, and a new id written twice finds itself the holder (same connection,
+    /// accepted). So when the second part fails for another reason than the database being
+    /// unavailable, the whole batch fails and the group commit writes its requests again one
+    /// by one; otherwise only the second part's registrations fail.
+    async fn write_new_first(
+        &self,
+        pool: &sqlx::PgPool,
+        batch: &WriteBatch,
+        windows: &Windows,
+        admit: &Admit,
+    ) -> Result<BatchOutcome, StoreError> {
+        let mut registered: Results = std::iter::repeat_with(|| None)
+            .take(batch.registers.len())
+            .collect();
+        let candidates = batch.registers.iter().enumerate();
+        let new = judge_all(candidates, &HashMap::new(), false, admit, &mut registered);
+        let mut written = postgres::write_new_at_once(pool, &batch.unregisters, &new).await?;
+        let unregistered = batch
+            .unregisters
+            .iter()
+            .map(|u| Ok(written.went_offline.contains(u.agent_id.as_str())))
+            .collect();
+        let mut existing: Vec<(usize, &RegisterAgent)> = Vec::new();
+        for a in new {
+            match written.inserted.remove(a.request.agent_id.as_str()) {
+                Some(agent) => {
+                    registered[a.index] =
+                        Some(Ok(RegisterOutcome::Registered(Box::new(Registered {
+                            agent,
+                            replaced_connection: None,
+                            replaced_gateway: None,
+                        }))));
+                }
+                None => existing.push((a.index, a.request)),
+            }
+        }
+        if !existing.is_empty() {
+            let requests: Vec<&RegisterAgent> = existing.iter().map(|(_, r)| *r).collect();
+            let results = match self.write_locked(&[], &requests, windows, admit).await {
+                Ok(outcome) => outcome.registered,
+                Err(e) if requests.len() > 1 && !e.is_unavailable() => return Err(e),
+                Err(e) => {
+                    let e = Arc::new(e);
+                    requests
+                        .iter()
+                        .map(|_| Err(StoreError::Batch(e.clone())))
+                        .collect()
+                }
+            };
+            for ((index, _), result) in existing.into_iter().zip(results) {
+                registered[index] = Some(result);
+            }
+        }
+        Ok(BatchOutcome {
+            unregistered,
+            registered: settled(registered, &batch.registers),
+        })
+    }
+
+    /// Four round trips on PostgreSQL whatever it holds: `BEGIN`, one statement locking and
+    /// reading every row it writes, one statement writing them all, `COMMIT` (two more for
+    /// new ids that a concurrent registration created first).
+    async fn write_locked(
+        &self,
+        unregisters: &[Unregister],
+        registers: &[&RegisterAgent],
+        windows: &Windows,
+        admit: &Admit,
+    ) -> Result<BatchOutcome, StoreError> {
         // The transaction locks agents only, so that it cannot deadlock with presence flushes.
         let mut tx = self.db.begin().await?;
-        let ids: Vec<&str> = batch.agent_ids().collect();
+        let ids: Vec<&str> = unregisters
+            .iter()
+            .map(|u| u.agent_id.as_str())
+            .chain(registers.iter().map(|r| r.agent_id.as_str()))
+            .collect();
         let held = lock_holders(&mut tx, &ids, windows).await?;
 
         // Unregistrations come first: no registration of the batch names the same agent.
-        let mut unregistered = Vec::with_capacity(batch.unregisters.len());
+        let mut unregistered = Vec::with_capacity(unregisters.len());
         let mut offline: Vec<&str> = Vec::new();
-        for u in &batch.unregisters {
+        for u in unregisters {
             let held = held
                 .get(u.agent_id.as_str())
                 .filter(|h| h.connection_id == u.connection_id);
@@ -189,9 +281,9 @@ impl SqlAgentStore {
             ));
         }
         let mut registered: Results = std::iter::repeat_with(|| None)
-            .take(batch.registers.len())
+            .take(registers.len())
             .collect();
-        let candidates = batch.registers.iter().enumerate();
+        let candidates = registers.iter().copied().enumerate();
         let admitted = judge_all(candidates, &held, false, admit, &mut registered);
         let lost = write_rows(&mut tx, &offline, admitted, &mut registered).await?;
 
@@ -206,17 +298,7 @@ impl SqlAgentStore {
         tx.commit().await?;
         Ok(BatchOutcome {
             unregistered,
-            registered: registered
-                .into_iter()
-                .zip(&batch.registers)
-                .map(|(result, request)| {
-                    result.unwrap_or_else(|| {
-                        Err(StoreError::Contention {
-                            agent_id: request.agent_id.clone(),
-                        })
-                    })
-                })
-                .collect(),
+            registered: settled(registered, registers),
         })
     }
 
@@ -262,6 +344,25 @@ impl SqlAgentStore {
         }
         Ok(())
     }
+}
+
+/// Every registration's result; one left undecided (which does not happen) is contention,
+/// which the client may try again.
+fn settled<R: std::borrow::Borrow<RegisterAgent>>(
+    registered: Results,
+    requests: &[R],
+) -> Vec<Result<RegisterOutcome, StoreError>> {
+    registered
+        .into_iter()
+        .zip(requests)
+        .map(|(result, request)| {
+            result.unwrap_or_else(|| {
+                Err(StoreError::Contention {
+                    agent_id: request.borrow().agent_id.clone(),
+                })
+            })
+        })
+        .collect()
 }
 
 /// Judges registrations against the holders read for their ids, returning those admitted;
@@ -487,6 +588,107 @@ mod postgres {
         })
     }
 
+    /// Inserts the registrations of [`UNNEST_REGISTRATIONS`] of kind `new`, in id order,
+    /// returning the rows written; an id that exists by then is left alone.
+    static INSERT_NEW: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "INSERT INTO agents AS a (agent_id, client_type, platform, status, capabilities, \
+                 tools, system_info, metadata, extensions, target_id, principal, gateway_id, \
+                 connection_id, load, connected_at, last_seen) \
+             SELECT r.agent_id, r.client_type, r.platform, 'available', r.capabilities::jsonb, \
+                 r.tools::jsonb, r.system_info::jsonb, r.metadata::jsonb, r.extensions::jsonb, \
+                 r.target_id, r.principal, r.gateway_id, r.connection_id, 0, now(), now() \
+             FROM {UNNEST_REGISTRATIONS} WHERE r.kind = 'new' ORDER BY r.agent_id \
+             ON CONFLICT (agent_id) DO NOTHING RETURNING {AGENT_COLUMNS}"
+        )
+    });
+
+    /// Takes the agents at `$14` offline where the connections at `$15` still hold them
+    /// (their rows locked in id order, as everywhere) and inserts the new ids, in one
+    /// statement. Each row returned is an agent written: `registration` says which part
+    /// wrote it, `went_offline` whether an unregistration's agent was not offline before.
+    static WRITE_NEW: LazyLock<String> = LazyLock::new(|| {
+        format!(
+            "WITH ended AS ( \
+                 SELECT a.agent_id, a.status FROM agents a \
+                 JOIN unnest($14::text[], $15::text[]) AS u(agent_id, connection_id) \
+                     ON a.agent_id = u.agent_id AND a.connection_id = u.connection_id \
+                 ORDER BY a.agent_id FOR UPDATE OF a \
+             ), offline AS ( \
+                 UPDATE agents AS a SET status = 'offline', offline_reason = 'unregistered' \
+                 FROM ended e WHERE a.agent_id = e.agent_id \
+                 RETURNING {AGENT_COLUMNS}, e.status <> 'offline' AS went_offline \
+             ), inserted AS ({INSERT_NEW}) \
+             SELECT true AS registration, i.*, false AS went_offline FROM inserted i \
+             UNION ALL SELECT false, o.* FROM offline o",
+            INSERT_NEW = *INSERT_NEW,
+        )
+    });
+
+    /// A row of [`WRITE_NEW`].
+    #[derive(FromRow)]
+    struct WrittenRow {
+        registration: bool,
+        went_offline: bool,
+        #[sqlx(flatten)]
+        agent: AgentRow,
+    }
+
+    /// What [`write_new_at_once`] wrote.
+    pub(super) struct WrittenNew {
+        /// The new agents, by id.
+        pub(super) inserted: HashMap<String, AgentRecord>,
+        /// The agents taken offline that were not offline before.
+        pub(super) went_offline: HashSet<String>,
+    }
+
+    /// Writes `unregisters` and the new ids of `new` in one statement ([`WRITE_NEW`]) on its
+    /// own (the statement is its transaction). A registration missing from
+    /// [`WrittenNew::inserted`] names an id that exists.
+    pub(super) async fn write_new_at_once(
+        pool: &sqlx::PgPool,
+        unregisters: &[Unregister],
+        new: &[Admitted<'_>],
+    ) -> Result<WrittenNew, StoreError> {
+        let c = RegisterColumns::new(new)?;
+        let ids: Vec<&str> = unregisters.iter().map(|u| u.agent_id.as_str()).collect();
+        let connections: Vec<&str> = unregisters
+            .iter()
+            .map(|u| u.connection_id.as_str())
+            .collect();
+        let rows: Vec<WrittenRow> = sqlx::query_as(WRITE_NEW.as_str())
+            .bind(&c.kind)
+            .bind(&c.agent_id)
+            .bind(&c.client_type)
+            .bind(&c.platform)
+            .bind(&c.capabilities)
+            .bind(&c.tools)
+            .bind(&c.system_info)
+            .bind(&c.metadata)
+            .bind(&c.extensions)
+            .bind(&c.target_id)
+            .bind(&c.principal)
+            .bind(&c.gateway_id)
+            .bind(&c.connection_id)
+            .bind(&ids)
+            .bind(&connections)
+            .fetch_all(pool)
+            .await?;
+        let mut written = WrittenNew {
+            inserted: HashMap::with_capacity(new.len()),
+            went_offline: HashSet::with_capacity(unregisters.len()),
+        };
+        for row in rows {
+            if row.registration {
+                let agent = row.agent.into_record()?;
+                written.inserted.insert(agent.agent_id.clone(), agent);
+            } else if row.went_offline {
+                written.went_offline.insert(row.agent.agent_id);
+            }
+        }
+        Ok(written)
+    }
+
     /// Takes `offline` offline, inserts the new ids and updates the existing rows, in one
     /// statement.
     pub(super) async fn write_rows_at_once(
@@ -500,16 +702,7 @@ mod postgres {
             "WITH offline AS ( \
                  UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
                  WHERE agent_id = ANY($14::text[]) \
-             ), inserted AS ( \
-                 INSERT INTO agents AS a (agent_id, client_type, platform, status, capabilities, \
-                     tools, system_info, metadata, extensions, target_id, principal, gateway_id, \
-                     connection_id, load, connected_at, last_seen) \
-                 SELECT r.agent_id, r.client_type, r.platform, 'available', r.capabilities::jsonb, \
-                     r.tools::jsonb, r.system_info::jsonb, r.metadata::jsonb, r.extensions::jsonb, \
-                     r.target_id, r.principal, r.gateway_id, r.connection_id, 0, now(), now() \
-                 FROM {UNNEST_REGISTRATIONS} WHERE r.kind = 'new' ORDER BY r.agent_id \
-                 ON CONFLICT (agent_id) DO NOTHING RETURNING {AGENT_COLUMNS} \
-             ), updated AS ( \
+             ), inserted AS ({insert_new}), updated AS ( \
                  UPDATE agents AS a SET client_type = r.client_type, platform = r.platform, \
                      status = CASE WHEN a.connection_id = r.connection_id AND a.status = 'busy' \
                          THEN 'busy' ELSE 'available' END, \
@@ -526,7 +719,8 @@ mod postgres {
                  FROM {UNNEST_REGISTRATIONS} WHERE r.kind = 'existing' AND a.agent_id = r.agent_id \
                  RETURNING {AGENT_COLUMNS} \
              ) \
-             SELECT * FROM inserted UNION ALL SELECT * FROM updated"
+             SELECT * FROM inserted UNION ALL SELECT * FROM updated",
+            insert_new = *INSERT_NEW,
         );
         let rows: Vec<AgentRow> = sqlx::query_as(&sql)
             .bind(&c.kind)

@@ -155,9 +155,13 @@ impl AgentStore for SqlAgentStore {
 /// offline, last seen within the given window, and held by a gateway whose last presence
 /// report (or registration) is within the gateway window.
 pub trait AgentStore: Send + Sync + 'static {
-    /// Applies a batch of registrations and unregistrations, no two naming the same agent,
-    /// in one transaction: group commit, many requests for one commit. Returns one result per
-    /// write, in the batch's order; `Err` if the transaction failed, and nothing was written.
+    /// Applies a batch of registrations and unregistrations, no two naming the same agent:
+    /// group commit, many requests for one commit. Returns one result per write, in the
+    /// batch's order. SQLite writes the batch in one transaction, and `Err` means nothing was
+    /// written. PostgreSQL commits unregistrations and new ids in one statement first, then
+    /// the registrations of existing ids in one transaction; `Err` may then leave the first
+    /// part written, which is harmless to write again (an unregistration finds its agent
+    /// offline, a new id finds its own connection holding it).
     ///
     /// Unregistrations are applied before registrations: the requests of one batch are
     /// concurrent, so this is one of their valid orders. An unregistration marks the agent
