@@ -71,6 +71,10 @@ pub struct PoolOptions {
     pub sqlite_busy_timeout: Duration,
     /// How PostgreSQL plans the pool's statements (SQLite: no effect).
     pub planner: Planner,
+    /// A PostgreSQL connection idle in the pool at least this long is pinged before it is
+    /// handed out, and replaced if it does not answer (SQLite: no effect). One in steady use
+    /// is not: the ping is a round trip before the statement.
+    pub ping_after_idle: Duration,
 }
 
 /// How PostgreSQL plans the statements of a pool.
@@ -101,6 +105,7 @@ impl Default for PoolOptions {
             acquire_timeout: Duration::from_secs(5),
             sqlite_busy_timeout: Duration::from_secs(10),
             planner: Planner::Default,
+            ping_after_idle: PING_AFTER_IDLE,
         }
     }
 }
@@ -157,6 +162,10 @@ pub enum DatabaseError {
 /// start together; SQLite has no migration lock of its own).
 static SQLITE_MIGRATION_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The default of [`PoolOptions::ping_after_idle`]: a connection that died while idle (a
+/// server restart) is replaced instead of failing a statement.
+pub const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+
 impl Database {
     /// Opens a pool with default [`PoolOptions`]. See [`Database::connect_with`].
     pub async fn connect(url: &str) -> Result<Self, DatabaseError> {
@@ -186,6 +195,7 @@ impl Database {
                     })?
                     .application_name("aip");
                 let planner = options.planner;
+                let ping_after_idle = options.ping_after_idle;
                 let pool = PgPoolOptions::new()
                     .max_connections(options.max_connections)
                     // A `SET` rather than a startup option: connection poolers refuse
@@ -200,6 +210,20 @@ impl Database {
                         })
                     })
                     .acquire_timeout(options.acquire_timeout)
+                    // sqlx's own check pings every connection it hands out: a round trip
+                    // before every statement. Only a connection idle for a while is checked
+                    // (one in steady use has just answered); a statement that meets a
+                    // connection that died meanwhile fails as unavailable, like one the
+                    // server drops mid-statement, and the connection is not used again.
+                    .test_before_acquire(false)
+                    .before_acquire(move |conn, meta| {
+                        Box::pin(async move {
+                            if meta.idle_for >= ping_after_idle {
+                                sqlx::Connection::ping(conn).await?;
+                            }
+                            Ok(true)
+                        })
+                    })
                     .after_release(|conn, _| {
                         // A connection's buffers grow to the largest statement or row it
                         // carried (a 90 MiB result) and keep that size; a pooled connection
@@ -241,6 +265,9 @@ impl Database {
                         options.max_connections
                     })
                     .acquire_timeout(options.acquire_timeout)
+                    // A connection to a file in this process does not die: no ping (a hop to
+                    // the connection's thread) before every statement.
+                    .test_before_acquire(false)
                     // An in-memory database lives as long as its connection.
                     .idle_timeout(if in_memory {
                         None
