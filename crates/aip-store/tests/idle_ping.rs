@@ -25,20 +25,35 @@ async fn pool_of_one(test_db: &TestDatabase, ping_after_idle: Duration) -> sqlx:
     }
 }
 
-/// The server process of the pool's one connection, ended from another connection.
+/// The server process of the pool's one connection, ended from another connection while the
+/// connection is idle in the pool.
 async fn kill_pooled_connection(pool: &sqlx::PgPool, other: &sqlx::PgPool) -> i32 {
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(pool)
         .await
         .expect("the pooled connection answers");
-    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+    // sqlx pings a returned connection before it is idle again: wait for that, so the
+    // connection dies while idle, not during that ping.
+    tokio::time::timeout(PATIENCE, async {
+        while pool.num_idle() < 1 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the connection goes back to the pool");
+    // With a timeout, PostgreSQL waits until the process has exited.
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, $2)")
         .bind(pid)
+        .bind(PATIENCE.as_millis() as i64)
         .fetch_one(other)
         .await
         .expect("terminate");
     assert!(ended, "backend {pid} terminated");
     pid
 }
+
+/// How long the test waits for the pool and the server.
+const PATIENCE: Duration = Duration::from_secs(10);
 
 #[tokio::test]
 async fn a_connection_that_died_while_idle_is_replaced_before_use() {
