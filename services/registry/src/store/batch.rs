@@ -521,6 +521,9 @@ async fn write_rows_each(
 
 /// The batch in one statement on PostgreSQL, over arrays: one round trip per batch.
 mod postgres {
+    use sqlx::postgres::PgArguments;
+    use sqlx::query::QueryAs;
+
     use super::*;
 
     /// Registrations as column arrays, bound to [`UNNEST_REGISTRATIONS`]. JSON travels as
@@ -577,6 +580,29 @@ mod postgres {
                 c.connection_id.push(&r.connection_id);
             }
             Ok(c)
+        }
+    }
+
+    impl RegisterColumns<'_> {
+        /// Binds the columns as `$1` to `$13` of [`UNNEST_REGISTRATIONS`].
+        fn bind<'q, O>(
+            &'q self,
+            query: QueryAs<'q, sqlx::Postgres, O, PgArguments>,
+        ) -> QueryAs<'q, sqlx::Postgres, O, PgArguments> {
+            query
+                .bind(&self.kind)
+                .bind(&self.agent_id)
+                .bind(&self.client_type)
+                .bind(&self.platform)
+                .bind(&self.capabilities)
+                .bind(&self.tools)
+                .bind(&self.system_info)
+                .bind(&self.metadata)
+                .bind(&self.extensions)
+                .bind(&self.target_id)
+                .bind(&self.principal)
+                .bind(&self.gateway_id)
+                .bind(&self.connection_id)
         }
     }
 
@@ -656,20 +682,8 @@ mod postgres {
             .iter()
             .map(|u| u.connection_id.as_str())
             .collect();
-        let rows: Vec<WrittenRow> = sqlx::query_as(WRITE_NEW.as_str())
-            .bind(&c.kind)
-            .bind(&c.agent_id)
-            .bind(&c.client_type)
-            .bind(&c.platform)
-            .bind(&c.capabilities)
-            .bind(&c.tools)
-            .bind(&c.system_info)
-            .bind(&c.metadata)
-            .bind(&c.extensions)
-            .bind(&c.target_id)
-            .bind(&c.principal)
-            .bind(&c.gateway_id)
-            .bind(&c.connection_id)
+        let rows: Vec<WrittenRow> = c
+            .bind(sqlx::query_as(WRITE_NEW.as_str()))
             .bind(&ids)
             .bind(&connections)
             .fetch_all(pool)
@@ -722,20 +736,8 @@ mod postgres {
              SELECT * FROM inserted UNION ALL SELECT * FROM updated",
             insert_new = *INSERT_NEW,
         );
-        let rows: Vec<AgentRow> = sqlx::query_as(&sql)
-            .bind(&c.kind)
-            .bind(&c.agent_id)
-            .bind(&c.client_type)
-            .bind(&c.platform)
-            .bind(&c.capabilities)
-            .bind(&c.tools)
-            .bind(&c.system_info)
-            .bind(&c.metadata)
-            .bind(&c.extensions)
-            .bind(&c.target_id)
-            .bind(&c.principal)
-            .bind(&c.gateway_id)
-            .bind(&c.connection_id)
+        let rows: Vec<AgentRow> = c
+            .bind(sqlx::query_as(&sql))
             .bind(offline)
             .fetch_all(&mut **tx)
             .await?;
