@@ -703,16 +703,11 @@ mod postgres {
         Ok(written)
     }
 
-    /// Takes `offline` offline, inserts the new ids and updates the existing rows, in one
-    /// statement.
-    pub(super) async fn write_rows_at_once(
-        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-        offline: &[&str],
-        admitted: &[Admitted<'_>],
-    ) -> Result<HashMap<String, AgentRecord>, StoreError> {
-        let c = RegisterColumns::new(admitted)?;
-        // In `updated`, `a.…` on the right-hand side is the row before the update.
-        let sql = format!(
+    /// Takes the agents at `$14` offline, inserts the new ids and updates the existing rows
+    /// (all locked by the caller's transaction), in one statement. In `updated`, `a.…` on
+    /// the right-hand side is the row before the update.
+    static WRITE_LOCKED: LazyLock<String> = LazyLock::new(|| {
+        format!(
             "WITH offline AS ( \
                  UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
                  WHERE agent_id = ANY($14::text[]) \
@@ -735,9 +730,19 @@ mod postgres {
              ) \
              SELECT * FROM inserted UNION ALL SELECT * FROM updated",
             insert_new = *INSERT_NEW,
-        );
+        )
+    });
+
+    /// Takes `offline` offline, inserts the new ids and updates the existing rows, in one
+    /// statement.
+    pub(super) async fn write_rows_at_once(
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        offline: &[&str],
+        admitted: &[Admitted<'_>],
+    ) -> Result<HashMap<String, AgentRecord>, StoreError> {
+        let c = RegisterColumns::new(admitted)?;
         let rows: Vec<AgentRow> = c
-            .bind(sqlx::query_as(&sql))
+            .bind(sqlx::query_as(WRITE_LOCKED.as_str()))
             .bind(offline)
             .fetch_all(&mut **tx)
             .await?;
