@@ -156,6 +156,46 @@ pub struct Unregistered {
 /// The `registry.unregister` reply.
 pub type UnregisterReply = Reply<Unregistered>;
 
+/// `registry.write`: registrations and unregistrations of one gateway that were waiting at
+/// once, in one request (at most [`MAX_WRITES`]). Each is judged and written as if it had
+/// come alone on `registry.register` or `registry.unregister`; the reply answers each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RegistryWrites {
+    /// Always 1.
+    pub version: V1,
+    /// The writes, in the order of the answers.
+    pub writes: Vec<RegistryWrite>,
+}
+
+/// Writes per `registry.write` request at most.
+pub const MAX_WRITES: usize = 256;
+
+/// One write of a [`RegistryWrites`]: the payload its own subject would carry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RegistryWrite {
+    /// As `registry.register`.
+    Register(RegisterAgent),
+    /// As `registry.unregister`.
+    Unregister(UnregisterAgent),
+}
+
+/// The answer to one write of a [`RegistryWrites`]: what its own subject would have replied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WriteAnswer {
+    /// A registration, accepted.
+    Registered(Box<Registered>),
+    /// An unregistration, done.
+    Unregistered(Unregistered),
+    /// The write was refused or failed.
+    Error(ErrorBody),
+}
+
+/// The `registry.write` reply: one answer per write, in its order (a request that cannot be
+/// read, or holds more than [`MAX_WRITES`] writes, is refused whole with `INVALID_REQUEST`).
+pub type RegistryWritesReply = Reply<Vec<WriteAnswer>>;
+
 /// `registry.get`: one agent by id.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct GetAgent {

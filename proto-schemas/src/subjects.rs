@@ -269,6 +269,19 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         description: "A client's connection ended: mark it offline (only if that connection still holds it).",
     },
     SubjectSpec {
+        name: "registry.write",
+        template: "registry.write",
+        pattern: Pattern::RequestReply,
+        payload: "RegistryWrites",
+        reply: Some("RegistryWritesReply"),
+        publishers: &["aip-gateway"],
+        consumers: &["aip-registry (queue group `aip-registry`)"],
+        description: "Registrations and unregistrations one gateway had waiting at once, in one \
+            request: each judged and written as on `registry.register` or `registry.unregister`, \
+            and answered in its order. A gateway sends a lone write on its own subject, and \
+            falls back to those when no registry answers here (one of an earlier version).",
+    },
+    SubjectSpec {
         name: "registry.gateway_started",
         template: "registry.gateway_started",
         pattern: Pattern::RequestReply,
@@ -482,6 +495,11 @@ impl Subjects {
     /// `registry.unregister`.
     pub fn registry_unregister(&self) -> String {
         self.join("registry.unregister")
+    }
+
+    /// `registry.write`.
+    pub fn registry_write(&self) -> String {
+        self.join("registry.write")
     }
 
     /// `registry.get`.

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use proto_schemas::registry::{
     AgentRecord, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents, LookupAgents,
-    RegisterAgent, Registered, Reply, UnregisterAgent, Unregistered,
+    RegisterAgent, Registered, RegistryWrites, Reply, UnregisterAgent, Unregistered, WriteAnswer,
 };
 use proto_schemas::{ErrorBody, ErrorCode, Subjects, V1};
 use serde::Serialize;
@@ -38,6 +38,9 @@ pub enum RegistryError {
     /// The registry answered with an error (unknown agent, identity taken, bad request).
     #[error("{}", .0.detail)]
     Refused(ErrorBody),
+    /// The request carrying this one with others (`registry.write`) failed so.
+    #[error("{0}")]
+    Gathered(std::sync::Arc<RegistryError>),
 }
 
 impl RegistryError {
@@ -47,6 +50,7 @@ impl RegistryError {
             RegistryError::NotRunning | RegistryError::Unanswered(_) => ErrorCode::Unavailable,
             RegistryError::InvalidReply(_) | RegistryError::Encode(_) => ErrorCode::Internal,
             RegistryError::Refused(body) => body.error_code,
+            RegistryError::Gathered(error) => error.error_code(),
         }
     }
 
@@ -54,6 +58,10 @@ impl RegistryError {
     pub fn into_error_body(self) -> ErrorBody {
         match self {
             RegistryError::Refused(body) => body,
+            RegistryError::Gathered(error) => match &*error {
+                RegistryError::Refused(body) => body.clone(),
+                other => ErrorBody::new(other.error_code(), other.to_string()),
+            },
             other => ErrorBody::new(other.error_code(), other.to_string()),
         }
     }
@@ -101,6 +109,12 @@ impl RegistryClient {
     ) -> Result<Unregistered, RegistryError> {
         self.request(self.subjects.registry_unregister(), request)
             .await
+    }
+
+    /// `registry.write`: several registrations and unregistrations in one request, answered
+    /// in their order (at most [`proto_schemas::registry::MAX_WRITES`]).
+    pub async fn write(&self, request: &RegistryWrites) -> Result<Vec<WriteAnswer>, RegistryError> {
+        self.request(self.subjects.registry_write(), request).await
     }
 
     /// `registry.gateway_started`: the connections a previous process of `gateway_id` held

@@ -82,6 +82,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Devices named in those requests (divided by the requests: devices per bus message).",
     ),
     (
+        "aip_gateway_registry_write_requests_total",
+        Kind::Counter,
+        "Registrations and unregistrations sent to the registry, one per bus request, by `form` (single: one write on its own subject; batch: the writes that gathered while one was on its way, on `registry.write`).",
+    ),
+    (
+        "aip_gateway_registry_writes_total",
+        Kind::Counter,
+        "Writes carried by those requests (divided by the requests: writes per bus request).",
+    ),
+    (
         "aip_gateway_reads_paused_total",
         Kind::Counter,
         "Times a connection's reading paused, by `reason` (byte_rate: over `bytes_per_second`).",

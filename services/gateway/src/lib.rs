@@ -22,6 +22,7 @@ pub mod inbound;
 pub mod peers;
 pub mod presence;
 pub mod rate;
+pub mod registrations;
 pub mod replies;
 pub mod settings;
 mod traces;
@@ -61,8 +62,10 @@ pub struct AppState {
     pub bus: SharedBus,
     /// Subjects under the configured prefix.
     pub subjects: Subjects,
-    /// Register, unregister and device information on other gateways.
+    /// Device information on other gateways, and the gateway's start.
     pub registry: aip_bus::registry::RegistryClient,
+    /// Registrations and unregistrations, gathered while one request is on its way.
+    pub registrations: registrations::Registrations,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
     /// Where connections queue the acknowledgements of the frames they wrote.
@@ -280,9 +283,11 @@ impl runner::Service for Application {
             subjects.clone(),
             std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
         );
+        let registrations = registrations::Registrations::start(registry.clone());
         let state = Arc::new(AppState {
             origins,
             registry,
+            registrations,
             announce,
             announced,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),

@@ -1,8 +1,8 @@
 //! The registry's request/reply subjects on the bus.
 //!
-//! Each subject (`registry.register`, `registry.unregister`, `registry.get`,
-//! `registry.get_many`, `registry.lookup`, `registry.gateway_started`, `registry.agents`) is queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the
-//! work. Every request runs in its own task, holding a permit of one semaphore shared by all
+//! Each subject (`registry.register`, `registry.unregister`, `registry.write`, `registry.get`,
+//! `registry.get_many`, `registry.lookup`, `registry.gateway_started`, `registry.agents`) is
+//! queue-subscribed in the group [`QUEUE_GROUP`], so replicas share the work. Every request runs in its own task, holding a permit of one semaphore shared by all
 //! subjects: at most `max_in_flight` requests at once, and the subscription is not read while
 //! none is free (NATS buffers, then drops as a slow consumer; the caller times out and retries).
 //!
@@ -32,6 +32,7 @@ pub const QUEUE_GROUP: &str = "aip-registry";
 pub struct RequestSubscriptions {
     register: Subscription,
     unregister: Subscription,
+    write: Subscription,
     get: Subscription,
     get_many: Subscription,
     lookup: Subscription,
@@ -49,6 +50,9 @@ impl RequestSubscriptions {
                 .await?,
             unregister: bus
                 .queue_subscribe(subjects.registry_unregister(), group())
+                .await?,
+            write: bus
+                .queue_subscribe(subjects.registry_write(), group())
                 .await?,
             get: bus
                 .queue_subscribe(subjects.registry_get(), group())
@@ -106,6 +110,11 @@ impl RequestSubscriptions {
             },
         );
         let r = registry.clone();
+        let write = serve("registry.write", self.write, ctx.clone(), move |req| {
+            let r = r.clone();
+            async move { r.write(req).await }
+        });
+        let r = registry.clone();
         let get = serve("registry.get", self.get, ctx.clone(), move |req| {
             let r = r.clone();
             async move { r.get(req).await }
@@ -143,6 +152,7 @@ impl RequestSubscriptions {
         tokio::join!(
             register,
             unregister,
+            write,
             get,
             get_many,
             lookup,

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use proto_schemas::registry::{
     AgentAction, AgentActionOutcome, AgentQuery, AgentRecord, AgentRegistration, AgentStatus,
     FoundAgent, FoundAgentKind, GatewayStarted, GatewayStartedAck, GetAgent, GetAgents,
-    LookupAgents, MAX_GET_MANY, ManageAgents, RegisterAgent, Registered, UnregisterAgent,
-    Unregistered,
+    LookupAgents, MAX_GET_MANY, MAX_WRITES, ManageAgents, RegisterAgent, Registered, RegistryWrite,
+    RegistryWrites, UnregisterAgent, Unregistered, WriteAnswer,
 };
 use proto_schemas::{ClientType, ErrorBody, ErrorCode};
 
@@ -151,6 +151,33 @@ impl Registry {
             "agent unregistered"
         );
         Ok(Unregistered { went_offline })
+    }
+
+    /// `registry.write`: each write as on its own subject, all at once (so they share the
+    /// group commit's batches), answered in their order; more than [`MAX_WRITES`] is refused.
+    pub async fn write(&self, request: RegistryWrites) -> Result<Vec<WriteAnswer>, ErrorBody> {
+        if request.writes.len() > MAX_WRITES {
+            return Err(ErrorBody::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "writes holds {} writes; at most {MAX_WRITES} per request",
+                    request.writes.len()
+                ),
+            ));
+        }
+        let writes = request.writes.into_iter().map(|write| async move {
+            match write {
+                RegistryWrite::Register(request) => match self.register(request).await {
+                    Ok(registered) => WriteAnswer::Registered(Box::new(registered)),
+                    Err(refusal) => WriteAnswer::Error(refusal),
+                },
+                RegistryWrite::Unregister(request) => match self.unregister(request).await {
+                    Ok(unregistered) => WriteAnswer::Unregistered(unregistered),
+                    Err(failure) => WriteAnswer::Error(failure),
+                },
+            }
+        });
+        Ok(futures::future::join_all(writes).await)
     }
 
     /// `registry.gateway_started`: every connection the gateway's previous process held is

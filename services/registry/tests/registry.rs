@@ -11,7 +11,8 @@ use aip_testkit::{Backend, WAIT, both_backends, wait_until, within};
 use common::{Options, TestApp, constellation, device, publish_presence};
 use futures::StreamExt;
 use proto_schemas::registry::{
-    AgentRecord, AgentStatus, GetAgents, MAX_GET_MANY, Registered, Reply,
+    AgentRecord, AgentStatus, GetAgents, MAX_GET_MANY, MAX_WRITES, Registered, RegistryWrite,
+    RegistryWrites, Reply, UnregisterAgent, WriteAnswer,
 };
 use proto_schemas::{ClientType, ErrorCode, Extension, McpToolInfo, V1};
 use serde_json::{Value, json};
@@ -25,6 +26,7 @@ both_backends!(
     dead_stale_or_offline_entries_are_replaced,
     constellation_target_must_be_a_connected_device,
     unregister_by_a_stale_connection_is_ignored,
+    writes_sent_together_are_each_answered_as_alone,
     presence_keeps_agents_alive_and_silent_gateways_expire,
     stopping_gateway_takes_its_agents_offline_at_once,
     presence_revives_expired_agents_but_not_unregistered_ones,
@@ -375,6 +377,115 @@ async fn unregister_by_a_stale_connection_is_ignored(backend: Backend) {
     assert!(!again.went_offline, "already offline");
     let unknown = app.unregister("nobody", "c").await.expect("answered");
     assert!(!unknown.went_offline);
+    app.stop().await;
+}
+
+/// `registry.write`: a gateway's writes that were waiting at once, in one request; each is
+/// answered, in its order, as its own subject would have answered it.
+async fn writes_sent_together_are_each_answered_as_alone(backend: Backend) {
+    let app = TestApp::spawn(backend, Options::default()).await;
+    app.register(&device("pc-1", "gw-1", "c1", "alice"))
+        .await
+        .expect("first");
+    app.register(&device("pc-3", "gw-1", "c3", "alice"))
+        .await
+        .expect("first");
+    let unregister = |agent_id: &str, connection_id: &str| {
+        RegistryWrite::Unregister(UnregisterAgent {
+            version: V1,
+            agent_id: agent_id.to_owned(),
+            connection_id: connection_id.to_owned(),
+            reason: "client closed the connection".to_owned(),
+        })
+    };
+    let mut nameless = device("", "gw-1", "c0", "alice");
+    nameless.agent_id = String::new();
+    let writes = RegistryWrites {
+        version: V1,
+        writes: vec![
+            RegistryWrite::Register(device("pc-2", "gw-1", "c2", "alice")),
+            RegistryWrite::Register(device("pc-1", "gw-2", "c9", "bob")),
+            unregister("pc-1", "stale"),
+            unregister("pc-3", "c3"),
+            RegistryWrite::Register(nameless),
+            unregister("nobody", "c"),
+        ],
+    };
+    let answers: Vec<WriteAnswer> = app
+        .call(app.subjects.registry_write(), &writes)
+        .await
+        .expect("answered");
+    assert_eq!(answers.len(), 6, "{answers:?}");
+    match &answers[0] {
+        WriteAnswer::Registered(registered) => {
+            assert_eq!(registered.agent.agent_id, "pc-2");
+            assert_eq!(registered.agent.connection_id, "c2");
+        }
+        other => panic!("pc-2: {other:?}"),
+    }
+    match &answers[1] {
+        WriteAnswer::Error(refusal) => {
+            assert_eq!(refusal.error_code, ErrorCode::RegistrationFailed);
+            assert_eq!(
+                refusal.detail,
+                "client_id 'pc-1' is already registered; duplicate registrations are not allowed"
+            );
+        }
+        other => panic!("pc-1 by bob: {other:?}"),
+    }
+    assert!(
+        matches!(&answers[2], WriteAnswer::Unregistered(u) if !u.went_offline),
+        "a stale connection: {:?}",
+        answers[2]
+    );
+    assert!(
+        matches!(&answers[3], WriteAnswer::Unregistered(u) if u.went_offline),
+        "pc-3's own connection: {:?}",
+        answers[3]
+    );
+    assert!(
+        matches!(&answers[4], WriteAnswer::Error(e) if e.error_code == ErrorCode::InvalidRequest),
+        "no agent_id: {:?}",
+        answers[4]
+    );
+    assert!(
+        matches!(&answers[5], WriteAnswer::Unregistered(u) if !u.went_offline),
+        "an unknown agent: {:?}",
+        answers[5]
+    );
+    // Written, as answered.
+    assert_eq!(
+        app.get("pc-2").await.expect("pc-2").status,
+        AgentStatus::Available
+    );
+    let pc1 = app.get("pc-1").await.expect("pc-1");
+    assert_eq!(
+        (pc1.connection_id.as_str(), pc1.status),
+        ("c1", AgentStatus::Available)
+    );
+    assert_eq!(app.status("pc-3").await, AgentStatus::Offline);
+
+    // More than a request may hold is refused whole, and nothing of it is written.
+    let too_many = RegistryWrites {
+        version: V1,
+        writes: (0..=MAX_WRITES)
+            .map(|i| RegistryWrite::Register(device(&format!("many-{i}"), "gw-1", "c", "alice")))
+            .collect(),
+    };
+    let refusal = app
+        .call::<_, Vec<WriteAnswer>>(app.subjects.registry_write(), &too_many)
+        .await
+        .expect_err("too many");
+    assert_eq!(refusal.error_code, ErrorCode::InvalidRequest);
+    assert_eq!(
+        refusal.detail,
+        format!(
+            "writes holds {} writes; at most {MAX_WRITES} per request",
+            MAX_WRITES + 1
+        )
+    );
+    let missing = app.get("many-0").await.expect_err("not written");
+    assert_eq!(missing.error_code, ErrorCode::NotFound);
     app.stop().await;
 }
 

@@ -117,7 +117,7 @@ pub(crate) async fn handle(
             ));
         }
     };
-    let registered = match state.registry.register(&request).await {
+    let registered = match state.registrations.register(request).await {
         Ok(registered) => registered,
         Err(RegistryError::Refused(body)) => {
             return Err(refuse(client, body.error_code, body.detail, close::NORMAL));
@@ -242,7 +242,7 @@ pub(crate) async fn unregister(
         connection_id: connection_id.to_owned(),
         reason: reason.to_owned(),
     };
-    if let Err(e) = state.registry.unregister(&request).await {
+    if let Err(e) = state.registrations.unregister(request).await {
         tracing::warn!(client = %identity.client_id, "unregister not confirmed: {e}");
     }
 }
