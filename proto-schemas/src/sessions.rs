@@ -20,6 +20,10 @@ pub enum GatewayEvent {
     Frame(InboundFrame),
     /// A registered client's connection ended; its sessions end with it.
     Closed(ConnectionClosed),
+    /// Several registered clients' connections ended; each as its `closed` event would say,
+    /// in order. A gateway sends the ends that came while the report of an earlier one was on
+    /// its way together; a lone end goes as `closed`.
+    ClosedMany(ConnectionsClosed),
 }
 
 /// One client frame, with the identity the gateway pinned to its connection.
@@ -73,6 +77,18 @@ pub struct ConnectionClosed {
     /// Why it ended.
     pub reason: String,
 }
+
+/// Several connections' ends in one event (at least two, at most [`MAX_CLOSED_MANY`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ConnectionsClosed {
+    /// Always 1.
+    pub version: V1,
+    /// The ends, in the order they happened.
+    pub connections: Vec<ConnectionClosed>,
+}
+
+/// Ends one [`ConnectionsClosed`] carries at most.
+pub const MAX_CLOSED_MANY: usize = 256;
 
 /// The state of a task. `completed`, `failed`, `canceled` and `rejected` are terminal.
 #[derive(

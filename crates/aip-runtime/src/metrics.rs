@@ -92,6 +92,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Writes carried by those requests (divided by the requests: writes per bus request).",
     ),
     (
+        "aip_gateway_connection_end_events_total",
+        Kind::Counter,
+        "Events reporting the ends of registered connections to the session service, one per frames-stream message (a `closed` event, or a `closed_many` with the ends that gathered while one was on its way).",
+    ),
+    (
+        "aip_gateway_connection_ends_total",
+        Kind::Counter,
+        "Ends of registered connections carried by those events (divided by the events: ends per stream message).",
+    ),
+    (
         "aip_gateway_reads_paused_total",
         Kind::Counter,
         "Times a connection's reading paused, by `reason` (byte_rate: over `bytes_per_second`).",

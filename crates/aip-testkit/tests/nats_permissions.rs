@@ -3,7 +3,8 @@
 //! aip, passwords from its environment); the registry, the session service and a gateway each
 //! log in as their own user (`nats_user`/`nats_password`), start and become ready, and a task
 //! flows end to end (constellation → gateway → frames stream → session service → device and
-//! back). A client holding the gateway's credentials cannot submit a task: the server reports
+//! back), and a crowd of devices registers and leaves at once (the gateway's gathered registry
+//! writes and connection ends). A client holding the gateway's credentials cannot submit a task: the server reports
 //! a permissions violation to it and the message reaches nobody, while the submitter's user
 //! can. The server's log shows no violation by any service.
 
@@ -298,6 +299,39 @@ async fn each_service_runs_with_only_its_own_permissions() {
             "the task_end carries the results"
         );
     }
+
+    // Many devices registering at once, then leaving at once: the gateway sends the writes
+    // that gathered as one `registry.write` request, and the ends as one event.
+    let many =
+        futures::future::join_all(
+            (0..40).map(|i| {
+                let ws = ws.clone();
+                async move {
+                    Client::registered(&ws, device_register(&format!("crowd-{i}"), "linux")).await
+                }
+            }),
+        )
+        .await;
+    eventually("the crowd online", || async {
+        let (_, body) = get_json(&clients).await;
+        let online = body["online_clients"].as_array()?;
+        (0..40)
+            .all(|i| online.iter().any(|c| *c == format!("crowd-{i}")))
+            .then_some(())
+    })
+    .await
+    .expect("every device of the crowd registered");
+    drop(many);
+    eventually("the crowd offline", || async {
+        let (_, body) = get_json(&clients).await;
+        let online = body["online_clients"].as_array()?;
+        (!online
+            .iter()
+            .any(|c| c.as_str().is_some_and(|c| c.starts_with("crowd-"))))
+        .then_some(())
+    })
+    .await
+    .expect("every device of the crowd unregistered");
 
     // An observer (the operator) sees everything published on the submit subject.
     let (operator, _) = server.raw_client("aip-operator", "observer").await;

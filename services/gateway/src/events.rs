@@ -1,11 +1,13 @@
 //! What the gateway tells the session service: client frames it does not answer itself,
-//! and the end of a registered connection. Both go into the durable frames stream, stored
-//! before the publish returns, so a session service that restarts loses none.
+//! and the end of a registered connection (ends that come together, in one event). Both go
+//! into the durable frames stream, stored before the publish returns, so a session service
+//! that restarts loses none.
 
 use aip_bus::trace::Operation;
-use aip_bus::{BusError, Headers, names};
-use proto_schemas::V1;
-use proto_schemas::sessions::{ConnectionClosed, GatewayEvent};
+use aip_bus::{BlobStore, BusError, Headers, SharedBus, names};
+use proto_schemas::sessions::{ConnectionClosed, ConnectionsClosed, GatewayEvent, MAX_CLOSED_MANY};
+use proto_schemas::{Subjects, V1};
+use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::AppState;
@@ -56,15 +58,23 @@ async fn store(
     headers: Headers,
     body: bytes::Bytes,
 ) -> Result<(), PublishError> {
+    store_on(&state.bus, &state.blobs, client_id, subject, headers, body).await
+}
+
+/// [`store`], given the bus and the blob store.
+async fn store_on(
+    bus: &SharedBus,
+    blobs: &BlobStore,
+    client_id: &str,
+    subject: String,
+    headers: Headers,
+    body: bytes::Bytes,
+) -> Result<(), PublishError> {
     let deadline = tokio::time::Instant::now() + PUBLISH_RETRY_WINDOW;
     let mut delay = PUBLISH_RETRY_FIRST_DELAY;
     loop {
-        let published = state.blobs.publish_durable(
-            state.bus.as_ref(),
-            subject.clone(),
-            headers.clone(),
-            body.clone(),
-        );
+        let published =
+            blobs.publish_durable(bus.as_ref(), subject.clone(), headers.clone(), body.clone());
         match published.await {
             Ok(()) => return Ok(()),
             Err(BusError::NoStream { .. }) => return Err(PublishError::NoStream),
@@ -94,23 +104,213 @@ fn is_transient(error: &BusError) -> bool {
     matches!(error, BusError::Nats { .. } | BusError::Timeout { .. })
 }
 
-/// Tells the session service that this client is gone, so its sessions end.
+/// Tells the session service that this client is gone, so its sessions end; returns once
+/// the end is stored (or could not be).
 pub(crate) async fn announce_closed(
     state: &AppState,
     identity: &Identity,
     connection_id: &str,
     reason: &str,
 ) {
-    let event = GatewayEvent::Closed(ConnectionClosed {
+    let closed = ConnectionClosed {
         version: V1,
         gateway_id: state.gateway_id.clone(),
         connection_id: connection_id.to_owned(),
         client_id: identity.client_id.clone(),
         client_type: identity.client_type,
         reason: reason.to_owned(),
-    });
-    let msg_id = format!("{connection_id}:closed");
-    if let Err(e) = publish(state, &identity.client_id, &event, msg_id).await {
-        tracing::warn!(client = %identity.client_id, "session service not told of the disconnect: {e}");
+    };
+    state.closings.announce(closed).await;
+}
+
+/// Ends waiting to be reported at most; more wait to be queued (each connection reports one
+/// end, so this only bounds memory).
+const CLOSINGS_CAPACITY: usize = 4096;
+
+/// The ends of this gateway's connections on their way to the frames stream, gathered.
+///
+/// Under load many connections end at once, and each end as its own stream message costs a
+/// stored message, its acknowledgement, a delivery to the session service and its ack. As
+/// for registry writes ([`crate::registrations`]), no delay is added: an end is stored at once
+/// when none is on its way, and otherwise waits for the one on its way, and the ends that
+/// waited are stored together as one `closed_many` event (at most
+/// [`MAX_CLOSED_MANY`]). A lone end is a `closed` event, as before.
+pub struct Closings {
+    queue: flume::Sender<(ConnectionClosed, oneshot::Sender<()>)>,
+}
+
+impl Closings {
+    /// Starts the task storing the ends in the frames stream of `subjects`; it ends once the
+    /// queue is dropped and what was queued is stored. Must be called within a Tokio runtime.
+    pub fn start(bus: SharedBus, blobs: BlobStore, subjects: Subjects) -> Self {
+        let (queue, waiting) = flume::bounded(CLOSINGS_CAPACITY);
+        tokio::spawn(store_closings(bus, blobs, subjects, waiting));
+        Closings { queue }
+    }
+
+    /// Reports `closed`, with whatever else is waiting; returns once it is stored (or could
+    /// not be: that is logged).
+    pub async fn announce(&self, closed: ConnectionClosed) {
+        let client_id = closed.client_id.clone();
+        let (stored, done) = oneshot::channel();
+        if self.queue.send_async((closed, stored)).await.is_err() || done.await.is_err() {
+            tracing::warn!(client = %client_id, "session service not told of the disconnect: the gateway is stopping");
+        }
+    }
+}
+
+/// Stores the queued ends, one event at a time, until the queue is dropped.
+async fn store_closings(
+    bus: SharedBus,
+    blobs: BlobStore,
+    subjects: Subjects,
+    waiting: flume::Receiver<(ConnectionClosed, oneshot::Sender<()>)>,
+) {
+    while let Ok(first) = waiting.recv_async().await {
+        let mut batch = vec![first];
+        batch.extend(waiting.try_iter().take(MAX_CLOSED_MANY - 1));
+        let (ends, stored): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+        let first = &ends[0];
+        // The stream drops a copy of an id it stored: a connection ends once, and is first in
+        // one event at most.
+        let (client_id, msg_id) = (first.client_id.clone(), closed_msg_id(first, ends.len()));
+        let subject = subjects.frames(&client_id);
+        let count = ends.len();
+        let event = if count == 1 {
+            GatewayEvent::Closed(ends.into_iter().next().expect("one end"))
+        } else {
+            GatewayEvent::ClosedMany(ConnectionsClosed {
+                version: V1,
+                connections: ends,
+            })
+        };
+        metrics::counter!("aip_gateway_connection_end_events_total").increment(1);
+        metrics::counter!("aip_gateway_connection_ends_total").increment(count as u64);
+        let stored_or_why = match serde_json::to_vec(&event) {
+            Ok(body) => {
+                let span = aip_bus::trace::messaging_span(
+                    Operation::Publish,
+                    &subjects.template(&subject),
+                    &subject,
+                    None,
+                );
+                let headers = Headers::new().with(names::MSG_ID, msg_id);
+                store_on(&bus, &blobs, &client_id, subject, headers, body.into())
+                    .instrument(span)
+                    .await
+            }
+            Err(e) => Err(PublishError::Encode(e)),
+        };
+        if let Err(e) = stored_or_why {
+            tracing::warn!(ends = count, client = %client_id, "session service not told of the disconnects: {e}");
+        }
+        for stored in stored {
+            let _ = stored.send(());
+        }
+    }
+}
+
+/// The stream message id of an event reporting `count` ends, the first being `first`.
+fn closed_msg_id(first: &ConnectionClosed, count: usize) -> String {
+    if count == 1 {
+        format!("{}:closed", first.connection_id)
+    } else {
+        format!("{}:closed-many", first.connection_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use aip_bus::{LocalBus, StreamSpec};
+    use futures::StreamExt;
+    use proto_schemas::ClientType;
+
+    use super::*;
+
+    fn closed(i: usize) -> ConnectionClosed {
+        ConnectionClosed {
+            version: V1,
+            gateway_id: "gw-1".to_owned(),
+            connection_id: format!("conn-{i}"),
+            client_id: format!("d{i}"),
+            client_type: ClientType::Device,
+            reason: "client closed the connection".to_owned(),
+        }
+    }
+
+    /// A frames stream on an in-process bus, and the gathering queue storing into it.
+    async fn closings() -> (SharedBus, Subjects, Closings) {
+        let bus: SharedBus = Arc::new(LocalBus::new());
+        let subjects = Subjects::new("t").expect("prefix");
+        bus.ensure_stream(StreamSpec::new(
+            subjects.frames_stream(),
+            vec![subjects.frames_all()],
+        ))
+        .await
+        .expect("stream");
+        let closings = Closings::start(
+            bus.clone(),
+            BlobStore::for_subjects(&subjects),
+            subjects.clone(),
+        );
+        (bus, subjects, closings)
+    }
+
+    /// The next `count` messages of the frames stream: subject, message id and event.
+    async fn stored(
+        bus: &SharedBus,
+        subjects: &Subjects,
+        count: usize,
+    ) -> Vec<(String, String, GatewayEvent)> {
+        let deliveries = bus
+            .consume(subjects.frames_stream(), "test".to_owned(), 16)
+            .await
+            .expect("consume");
+        deliveries
+            .take(count)
+            .map(|delivery| {
+                let message = delivery.expect("delivered").message;
+                let msg_id = message
+                    .headers
+                    .get(names::MSG_ID)
+                    .expect("an id")
+                    .to_owned();
+                let event = serde_json::from_slice(&message.payload).expect("an event");
+                (message.subject, msg_id, event)
+            })
+            .collect()
+            .await
+    }
+
+    #[tokio::test]
+    async fn ends_waiting_together_are_stored_as_one_event_in_their_order() {
+        let (bus, subjects, closings) = closings().await;
+        // All 30 are queued before the queue is first read.
+        futures::future::join_all((0..30).map(|i| closings.announce(closed(i)))).await;
+        let events = stored(&bus, &subjects, 1).await;
+        let (subject, msg_id, event) = &events[0];
+        assert_eq!(subject, &subjects.frames("d0"));
+        assert_eq!(msg_id, "conn-0:closed-many");
+        match event {
+            GatewayEvent::ClosedMany(many) => {
+                assert_eq!(many.connections, (0..30).map(closed).collect::<Vec<_>>())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lone_end_is_a_closed_event_as_before() {
+        let (bus, subjects, closings) = closings().await;
+        closings.announce(closed(7)).await;
+        closings.announce(closed(8)).await;
+        let events = stored(&bus, &subjects, 2).await;
+        for ((subject, msg_id, event), i) in events.iter().zip([7, 8]) {
+            assert_eq!(subject, &subjects.frames(&format!("d{i}")));
+            assert_eq!(msg_id, &format!("conn-{i}:closed"));
+            assert_eq!(event, &GatewayEvent::Closed(closed(i)));
+        }
     }
 }

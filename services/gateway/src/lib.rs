@@ -15,7 +15,7 @@ mod client;
 pub mod connection;
 pub mod deliveries;
 pub mod devices;
-mod events;
+pub mod events;
 mod handlers;
 mod identity;
 pub mod inbound;
@@ -66,6 +66,8 @@ pub struct AppState {
     pub registry: aip_bus::registry::RegistryClient,
     /// Registrations and unregistrations, gathered while one request is on its way.
     pub registrations: registrations::Registrations,
+    /// The ends of connections, for the session service, gathered while one is on its way.
+    pub closings: events::Closings,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
     /// Where connections queue the acknowledgements of the frames they wrote.
@@ -284,10 +286,16 @@ impl runner::Service for Application {
             std::time::Duration::from_millis(settings.gateway.request_timeout_ms),
         );
         let registrations = registrations::Registrations::start(registry.clone());
+        let closings = events::Closings::start(
+            bus.clone(),
+            aip_bus::BlobStore::for_subjects(&subjects),
+            subjects.clone(),
+        );
         let state = Arc::new(AppState {
             origins,
             registry,
             registrations,
+            closings,
             announce,
             announced,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),

@@ -324,9 +324,7 @@ mod tests {
                 replaced_gateway: None,
             })),
             RegistryWrite::Unregister(request) => WriteAnswer::Unregistered(Unregistered {
-                went_offline: request
-                    .agent_id
-                    .ends_with(|c: char| c.is_ascii_digit() && (c as u8 - b'0') % 2 == 0),
+                went_offline: request.agent_id.ends_with(['0', '2', '4', '6', '8']),
             }),
         }
     }

@@ -79,6 +79,12 @@ pub(crate) enum Failure {
 
 type Reply<T> = oneshot::Sender<Result<T, Failure>>;
 
+/// A client's connection that ended, as the frames stream reported it.
+pub(crate) struct ConnectionEnd {
+    pub(crate) client_id: String,
+    pub(crate) connection_id: String,
+}
+
 /// A change for the leader to apply.
 pub(crate) enum Op {
     /// A client frame from the stream (a `task` frame comes prepared).
@@ -90,10 +96,9 @@ pub(crate) enum Op {
         handoff: Option<Result<Vec<AgentRecord>, ErrorBody>>,
         reply: Reply<()>,
     },
-    /// A client's connection ended.
+    /// Clients' connections ended (one or several), in order.
     Closed {
-        client_id: String,
-        connection_id: String,
+        ends: Vec<ConnectionEnd>,
         reply: Reply<()>,
     },
     /// A task from REST or NATS.
@@ -1791,12 +1796,10 @@ fn apply_op(core: &mut Machine, (op, span): Traced, waiters: &mut Vec<Waiter>) {
             let result = core.frame(&mut inbound, &msg_id, task.map(|t| *t), handoff);
             waiters.push(Waiter::Unit(reply, result));
         }
-        Op::Closed {
-            client_id,
-            connection_id,
-            reply,
-        } => {
-            core.closed(&client_id, &connection_id);
+        Op::Closed { ends, reply } => {
+            for end in &ends {
+                core.closed(&end.client_id, &end.connection_id);
+            }
             waiters.push(Waiter::Unit(reply, Ok(())));
         }
         Op::Submit { prepared, reply } => {

@@ -12,14 +12,14 @@ use proto_schemas::flow::{
     TaskResponse,
 };
 use proto_schemas::registry::{AgentAction, ManageAgents, Reply};
-use proto_schemas::sessions::{GatewayEvent, TaskAccepted, TaskView};
+use proto_schemas::sessions::{ConnectionClosed, GatewayEvent, TaskAccepted, TaskView};
 use proto_schemas::{ErrorBody, ErrorCode, V1};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::callbacks::{CallbackTarget, Callbacks};
 use crate::engine::{
-    Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
+    ConnectionEnd, Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
 use crate::machine::{Answer, Answerer, Refusal};
 use crate::planners::Planners;
@@ -186,8 +186,18 @@ async fn run_consumer(
                 }
                 GatewayEvent::Closed(closed) => (
                     Op::Closed {
-                        client_id: closed.client_id,
-                        connection_id: closed.connection_id,
+                        ends: vec![ConnectionEnd::from(closed)],
+                        reply,
+                    },
+                    None,
+                ),
+                GatewayEvent::ClosedMany(many) => (
+                    Op::Closed {
+                        ends: many
+                            .connections
+                            .into_iter()
+                            .map(ConnectionEnd::from)
+                            .collect(),
                         reply,
                     },
                     None,
@@ -237,11 +247,11 @@ async fn prepare_chunk(
     // A frame says where its client is now.
     for (_, _, event) in &events {
         match event {
-            GatewayEvent::Closed(closed) => {
-                engine.forget_target(&closed.client_id);
-                engine
-                    .routes()
-                    .closed(&closed.client_id, &closed.connection_id);
+            GatewayEvent::Closed(closed) => forget_connection(&engine, closed),
+            GatewayEvent::ClosedMany(many) => {
+                for closed in &many.connections {
+                    forget_connection(&engine, closed);
+                }
             }
             GatewayEvent::Frame(f) => {
                 engine
@@ -316,6 +326,24 @@ async fn prepare_chunk(
         })
         .collect();
     (prepared, errors)
+}
+
+/// A connection's end read: the chunks prepared after this one ask the registry about its
+/// client again, and nothing more is routed to that connection.
+fn forget_connection(engine: &Engine, closed: &ConnectionClosed) {
+    engine.forget_target(&closed.client_id);
+    engine
+        .routes()
+        .closed(&closed.client_id, &closed.connection_id);
+}
+
+impl From<ConnectionClosed> for ConnectionEnd {
+    fn from(closed: ConnectionClosed) -> Self {
+        ConnectionEnd {
+            client_id: closed.client_id,
+            connection_id: closed.connection_id,
+        }
+    }
 }
 
 /// Chunks prepared at once; they reach the applier in stream order.

@@ -13,7 +13,7 @@ use aip_testkit::{
 };
 use futures::StreamExt;
 use proto_schemas::registry::RegisterAgent;
-use proto_schemas::sessions::{ConnectionClosed, DeliveryAck, GatewayEvent};
+use proto_schemas::sessions::{ConnectionClosed, ConnectionsClosed, DeliveryAck, GatewayEvent};
 use proto_schemas::{ClientType, Platform, Subjects, V1};
 use serde_json::{Value, json};
 
@@ -257,6 +257,57 @@ async fn a_replaced_connections_tasks_end_and_a_late_end_spares_the_new_ones(bac
 }
 
 both_backends!(a_replaced_connections_tasks_end_and_a_late_end_spares_the_new_ones);
+
+/// A gateway reports connections that ended together in one `closed_many` event: the tasks
+/// of every connection it names end, as if each end had come alone, and a client it does not
+/// name keeps its task.
+async fn ends_reported_together_end_each_connections_tasks(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let registry = registry_of(&stack);
+    for (id, connection) in [("a", "gw-1:a"), ("b", "gw-1:b"), ("c", "gw-1:c")] {
+        registry
+            .register(&device(id, "gw-1", connection, "lab"))
+            .await
+            .expect("registered");
+    }
+    let tasks: Vec<String> =
+        futures::future::join_all(["a", "b", "c"].map(|target| driven_task(&stack, target))).await;
+    let closed = |client: &str| ConnectionClosed {
+        version: V1,
+        gateway_id: "gw-1".to_owned(),
+        connection_id: format!("gw-1:{client}"),
+        client_id: client.to_owned(),
+        client_type: ClientType::Device,
+        reason: "client closed the connection".to_owned(),
+    };
+    let event = GatewayEvent::ClosedMany(ConnectionsClosed {
+        version: V1,
+        connections: vec![closed("a"), closed("b")],
+    });
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    stack
+        .bus
+        .publish_durable(
+            subjects.frames("a"),
+            Headers::new().with(names::MSG_ID, "gw-1:a:closed-many"),
+            serde_json::to_vec(&event).expect("json").into(),
+        )
+        .await
+        .expect("stored");
+    for task in &tasks[..2] {
+        let task = ended(&stack, task).await;
+        assert_eq!(task["state"], "failed", "{task}");
+        assert_eq!(task["error_code"], "CONNECTION_FAILED", "{task}");
+    }
+    // The two ends are applied (the tasks above ended): c's task is still on its way.
+    let spared = task_state(&stack, &tasks[2]).await;
+    assert_eq!(spared["state"], "dispatched", "{spared}");
+    stack.stop().await;
+}
+
+both_backends!(ends_reported_together_end_each_connections_tasks);
 
 /// Finding 3 of issue 14: a frame for a client leaves the outbox only when a gateway
 /// acknowledges writing it. Here no gateway holds the client (as while NATS restarts), so the
