@@ -216,6 +216,7 @@ impl Bus for NatsBus {
     ) -> BoxFuture<'_, Result<Message, BusError>> {
         let headers = crate::trace::with_current(headers);
         async move {
+            self.check_size(&payload)?;
             let request = async_nats::Request::new()
                 .payload(payload)
                 .headers(headers.to_nats())

@@ -243,6 +243,18 @@ async fn nats_refuses_payloads_over_its_limit() {
         .await
         .expect_err("too large");
     assert!(matches!(err, BusError::PayloadTooLarge { .. }), "{err:?}");
+    // A request too: refused before it is sent, with the sizes (the caller can tell it from
+    // a failing server, and send less).
+    let err = bus
+        .request(
+            format!("{}.big", prefix()),
+            Headers::new(),
+            vec![0u8; limit + 1].into(),
+            Duration::from_secs(1),
+        )
+        .await
+        .expect_err("too large");
+    assert!(matches!(err, BusError::PayloadTooLarge { .. }), "{err:?}");
 }
 
 async fn durable_streams_deduplicate_and_redeliver(bus: SharedBus) {
