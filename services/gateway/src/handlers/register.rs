@@ -122,6 +122,17 @@ pub(crate) async fn handle(
         Err(RegistryError::Refused(body)) => {
             return Err(refuse(client, body.error_code, body.detail, close::NORMAL));
         }
+        Err(ref e) if let Some(too_large) = too_large_for_the_bus(e) => {
+            let text = format!(
+                "registration refused: the REGISTER is too large to pass to the registry ({too_large}); send less in `metadata`"
+            );
+            return Err(refuse(
+                client,
+                ErrorCode::FrameTooLarge,
+                text,
+                close::TOO_BIG,
+            ));
+        }
         Err(e) => {
             return Err(refuse(
                 client,
@@ -156,6 +167,16 @@ pub(crate) async fn handle(
         deliveries,
         liveness,
     })
+}
+
+/// The bus's refusal when the registration could not be sent because it is larger than one
+/// bus message: trying again cannot help.
+fn too_large_for_the_bus(error: &RegistryError) -> Option<&aip_bus::BusError> {
+    match error {
+        RegistryError::Unanswered(e @ aip_bus::BusError::PayloadTooLarge { .. }) => Some(e),
+        RegistryError::Gathered(error) => too_large_for_the_bus(error),
+        _ => None,
+    }
 }
 
 /// Waits (at most the registry's request timeout) until the registry confirmed this gateway's
