@@ -116,6 +116,34 @@ pub struct RegisterAgent {
     pub extensions: Vec<Extension>,
 }
 
+impl RegisterAgent {
+    /// A device's registration with nothing but who and where it is (no capabilities, tools,
+    /// system information, metadata or extensions); set the rest on the result.
+    pub fn device(
+        agent_id: &str,
+        gateway_id: &str,
+        connection_id: &str,
+        principal: &str,
+        platform: Platform,
+    ) -> Self {
+        RegisterAgent {
+            version: V1,
+            agent_id: agent_id.to_owned(),
+            client_type: ClientType::Device,
+            gateway_id: gateway_id.to_owned(),
+            connection_id: connection_id.to_owned(),
+            principal: principal.to_owned(),
+            platform,
+            target_id: None,
+            capabilities: Vec::new(),
+            tools: Vec::new(),
+            system_info: None,
+            metadata: None,
+            extensions: Vec::new(),
+        }
+    }
+}
+
 /// `registry.register` reply payload on success.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Registered {

@@ -261,26 +261,13 @@ mod tests {
     use chrono::Utc;
     use futures::StreamExt;
     use proto_schemas::registry::{AgentRecord, AgentStatus, Reply};
-    use proto_schemas::{ClientType, ErrorBody, ErrorCode, Platform, Subjects};
+    use proto_schemas::{ErrorBody, ErrorCode, Platform, Subjects};
 
     use super::*;
 
     fn registration(agent_id: &str) -> RegisterAgent {
-        RegisterAgent {
-            version: V1,
-            agent_id: agent_id.to_owned(),
-            client_type: ClientType::Device,
-            gateway_id: "gw-1".to_owned(),
-            connection_id: format!("conn-{agent_id}"),
-            principal: "anonymous".to_owned(),
-            platform: Platform::Linux,
-            target_id: None,
-            capabilities: vec![],
-            tools: vec![],
-            system_info: None,
-            metadata: None,
-            extensions: vec![],
-        }
+        let connection = format!("conn-{agent_id}");
+        RegisterAgent::device(agent_id, "gw-1", &connection, "anonymous", Platform::Linux)
     }
 
     fn unregistration(agent_id: &str) -> UnregisterAgent {

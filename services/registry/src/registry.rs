@@ -455,25 +455,11 @@ pub fn store_failure(error: StoreError) -> ErrorBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto_schemas::Platform;
     use proto_schemas::registry::AgentStatus;
-    use proto_schemas::{Platform, V1};
 
     fn request(connection: &str, principal: &str) -> RegisterAgent {
-        RegisterAgent {
-            version: V1,
-            agent_id: "pc-1".to_owned(),
-            client_type: ClientType::Device,
-            gateway_id: "gw".to_owned(),
-            connection_id: connection.to_owned(),
-            principal: principal.to_owned(),
-            platform: Platform::Windows,
-            target_id: None,
-            capabilities: vec![],
-            tools: vec![],
-            system_info: None,
-            metadata: None,
-            extensions: vec![],
-        }
+        RegisterAgent::device("pc-1", "gw", connection, principal, Platform::Windows)
     }
 
     fn holder(connection: &str, principal: &str, status: AgentStatus, live: bool) -> Holder {

@@ -20,7 +20,7 @@ use aip_testkit::{Backend, WAIT, both_backends, eventually, test_database, wait_
 use futures::future::BoxFuture;
 use futures::{FutureExt, future};
 use proto_schemas::registry::{AgentStatus, RegisterAgent};
-use proto_schemas::{ClientType, ErrorCode, Platform, V1};
+use proto_schemas::{ErrorCode, Platform};
 use serde_json::json;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -207,19 +207,9 @@ impl Harness {
 
 fn device(agent_id: &str, connection_id: &str, principal: &str) -> RegisterAgent {
     RegisterAgent {
-        version: V1,
-        agent_id: agent_id.to_owned(),
-        client_type: ClientType::Device,
-        gateway_id: "gw-1".to_owned(),
-        connection_id: connection_id.to_owned(),
-        principal: principal.to_owned(),
-        platform: Platform::Linux,
-        target_id: None,
         capabilities: vec!["echo".to_owned()],
-        tools: vec![],
         system_info: Some(json!({"device_id": agent_id, "cpu_count": 2})),
-        metadata: None,
-        extensions: vec![],
+        ..RegisterAgent::device(agent_id, "gw-1", connection_id, principal, Platform::Linux)
     }
 }
 

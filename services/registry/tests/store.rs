@@ -259,11 +259,13 @@ fn ids(agents: Vec<AgentRecord>) -> Vec<String> {
 }
 
 fn device(agent_id: &str, gateway_id: &str, connection_id: &str, principal: &str) -> RegisterAgent {
-    serde_json::from_value(json!({
-        "version": 1, "agent_id": agent_id, "client_type": "device", "platform": "linux",
-        "gateway_id": gateway_id, "connection_id": connection_id, "principal": principal,
-    }))
-    .expect("a registration")
+    RegisterAgent::device(
+        agent_id,
+        gateway_id,
+        connection_id,
+        principal,
+        Platform::Linux,
+    )
 }
 
 fn with_capabilities(mut request: RegisterAgent, capabilities: &[&str]) -> RegisterAgent {

@@ -20,21 +20,7 @@ use serde_json::{Value, json};
 /// A device registered by `principal` through `gateway` on `connection`, as the gateway
 /// holding it would register it.
 fn device(id: &str, gateway: &str, connection: &str, principal: &str) -> RegisterAgent {
-    RegisterAgent {
-        version: V1,
-        agent_id: id.to_owned(),
-        client_type: ClientType::Device,
-        gateway_id: gateway.to_owned(),
-        connection_id: connection.to_owned(),
-        principal: principal.to_owned(),
-        platform: Platform::Linux,
-        target_id: None,
-        capabilities: Vec::new(),
-        tools: Vec::new(),
-        system_info: None,
-        metadata: None,
-        extensions: Vec::new(),
-    }
+    RegisterAgent::device(id, gateway, connection, principal, Platform::Linux)
 }
 
 fn registry_of(stack: &Stack) -> RegistryClient {

@@ -454,21 +454,13 @@ pub fn device(
     connection_id: &str,
     principal: &str,
 ) -> RegisterAgent {
-    RegisterAgent {
-        version: V1,
-        agent_id: agent_id.to_owned(),
-        client_type: ClientType::Device,
-        gateway_id: gateway_id.to_owned(),
-        connection_id: connection_id.to_owned(),
-        principal: principal.to_owned(),
-        platform: Platform::Windows,
-        target_id: None,
-        capabilities: vec![],
-        tools: vec![],
-        system_info: None,
-        metadata: None,
-        extensions: vec![],
-    }
+    RegisterAgent::device(
+        agent_id,
+        gateway_id,
+        connection_id,
+        principal,
+        Platform::Windows,
+    )
 }
 
 /// A constellation registration request.
