@@ -32,58 +32,71 @@ pub(crate) async fn publish(
     event: &GatewayEvent,
     msg_id: String,
 ) -> Result<(), PublishError> {
-    let body = serde_json::to_vec(event).map_err(|e| {
-        tracing::error!(client = %client_id, "gateway event not serialisable: {e}");
-        PublishError::Encode(e)
-    })?;
-    let headers = Headers::new().with(names::MSG_ID, msg_id);
-    let subject = state.subjects.frames(client_id);
-    let body = bytes::Bytes::from(body);
-    let span = aip_bus::trace::messaging_span(
-        Operation::Publish,
-        &state.subjects.template(&subject),
-        &subject,
-        None,
-    );
-    store(state, client_id, subject, headers, body)
-        .instrument(span)
-        .await
+    let stream = FramesStream {
+        bus: &state.bus,
+        blobs: &state.blobs,
+        subjects: &state.subjects,
+    };
+    stream.publish(client_id, event, msg_id).await
 }
 
-/// Stores one event, retrying while the bus is unreachable.
-async fn store(
-    state: &AppState,
-    client_id: &str,
-    subject: String,
-    headers: Headers,
-    body: bytes::Bytes,
-) -> Result<(), PublishError> {
-    store_on(&state.bus, &state.blobs, client_id, subject, headers, body).await
+/// Where events are stored: the frames stream on a bus, with the blob store for large ones.
+struct FramesStream<'a> {
+    bus: &'a SharedBus,
+    blobs: &'a BlobStore,
+    subjects: &'a Subjects,
 }
 
-/// [`store`], given the bus and the blob store.
-async fn store_on(
-    bus: &SharedBus,
-    blobs: &BlobStore,
-    client_id: &str,
-    subject: String,
-    headers: Headers,
-    body: bytes::Bytes,
-) -> Result<(), PublishError> {
-    let deadline = tokio::time::Instant::now() + PUBLISH_RETRY_WINDOW;
-    let mut delay = PUBLISH_RETRY_FIRST_DELAY;
-    loop {
-        let published =
-            blobs.publish_durable(bus.as_ref(), subject.clone(), headers.clone(), body.clone());
-        match published.await {
-            Ok(()) => return Ok(()),
-            Err(BusError::NoStream { .. }) => return Err(PublishError::NoStream),
-            Err(e) if is_transient(&e) && tokio::time::Instant::now() + delay < deadline => {
-                tracing::warn!(client = %client_id, "frame not stored yet, retrying in {delay:?}: {e}");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(PUBLISH_RETRY_MAX_DELAY);
+impl FramesStream<'_> {
+    /// Publishes `event` on `client_id`'s subject, de-duplicated by the stream on `msg_id`.
+    async fn publish(
+        &self,
+        client_id: &str,
+        event: &GatewayEvent,
+        msg_id: String,
+    ) -> Result<(), PublishError> {
+        let body = serde_json::to_vec(event).map_err(|e| {
+            tracing::error!(client = %client_id, "gateway event not serialisable: {e}");
+            PublishError::Encode(e)
+        })?;
+        let headers = Headers::new().with(names::MSG_ID, msg_id);
+        let subject = self.subjects.frames(client_id);
+        let body = bytes::Bytes::from(body);
+        let span = aip_bus::trace::messaging_span(
+            Operation::Publish,
+            &self.subjects.template(&subject),
+            &subject,
+            None,
+        );
+        self.store(client_id, subject, headers, body)
+            .instrument(span)
+            .await
+    }
+
+    /// Stores one event, retrying while the bus is unreachable.
+    async fn store(
+        &self,
+        client_id: &str,
+        subject: String,
+        headers: Headers,
+        body: bytes::Bytes,
+    ) -> Result<(), PublishError> {
+        let (bus, blobs) = (self.bus, self.blobs);
+        let deadline = tokio::time::Instant::now() + PUBLISH_RETRY_WINDOW;
+        let mut delay = PUBLISH_RETRY_FIRST_DELAY;
+        loop {
+            let published =
+                blobs.publish_durable(bus.as_ref(), subject.clone(), headers.clone(), body.clone());
+            match published.await {
+                Ok(()) => return Ok(()),
+                Err(BusError::NoStream { .. }) => return Err(PublishError::NoStream),
+                Err(e) if is_transient(&e) && tokio::time::Instant::now() + delay < deadline => {
+                    tracing::warn!(client = %client_id, "frame not stored yet, retrying in {delay:?}: {e}");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(PUBLISH_RETRY_MAX_DELAY);
+                }
+                Err(e) => return Err(PublishError::Bus(e)),
             }
-            Err(e) => return Err(PublishError::Bus(e)),
         }
     }
 }
@@ -174,7 +187,6 @@ async fn store_closings(
         // The stream drops a copy of an id it stored: a connection ends once, and is first in
         // one event at most.
         let (client_id, msg_id) = (first.client_id.clone(), closed_msg_id(first, ends.len()));
-        let subject = subjects.frames(&client_id);
         let count = ends.len();
         let event = if count == 1 {
             GatewayEvent::Closed(ends.into_iter().next().expect("one end"))
@@ -186,21 +198,12 @@ async fn store_closings(
         };
         metrics::counter!("aip_gateway_connection_end_events_total").increment(1);
         metrics::counter!("aip_gateway_connection_ends_total").increment(count as u64);
-        let stored_or_why = match serde_json::to_vec(&event) {
-            Ok(body) => {
-                let span = aip_bus::trace::messaging_span(
-                    Operation::Publish,
-                    &subjects.template(&subject),
-                    &subject,
-                    None,
-                );
-                let headers = Headers::new().with(names::MSG_ID, msg_id);
-                store_on(&bus, &blobs, &client_id, subject, headers, body.into())
-                    .instrument(span)
-                    .await
-            }
-            Err(e) => Err(PublishError::Encode(e)),
+        let stream = FramesStream {
+            bus: &bus,
+            blobs: &blobs,
+            subjects: &subjects,
         };
+        let stored_or_why = stream.publish(&client_id, &event, msg_id).await;
         if let Err(e) = stored_or_why {
             tracing::warn!(ends = count, client = %client_id, "session service not told of the disconnects: {e}");
         }
