@@ -6,8 +6,10 @@
 //! announces its restart ([`crate::registry::Registry::gateway_started`]), or the client
 //! registers again and replaces its old connection. Each time the session service must hear
 //! it, or the connection's tasks stay `working` until their command timeout. The event is
-//! de-duplicated on `<connection id>:closed`, the id the gateway's own report carries, so a
-//! connection's end changes its tasks once however many report it.
+//! de-duplicated on `<connection id>:closed`, the id the gateway's own report of a lone end
+//! carries. An end the gateway reported inside a `closed_many` (several ends at once, under
+//! its first connection's id) is not dropped as a copy, and changes nothing the second time:
+//! the session service applies ends by connection and skips tasks that already ended.
 
 use aip_bus::{BusError, Headers, SharedBus, names};
 use futures::StreamExt;
