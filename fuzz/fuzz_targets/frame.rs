@@ -46,6 +46,7 @@ fuzz_target!(|data: &[u8]| {
                 extensions: Vec::new(),
                 received_at: server::timestamp_now(),
                 frame,
+                delivery_batches: true,
             });
             let payload = serde_json::to_vec(&event).expect("a gateway event serialises");
             let decoded: GatewayEvent = serde_json::from_slice(&payload).unwrap_or_else(|e| {

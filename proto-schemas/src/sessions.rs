@@ -48,6 +48,11 @@ pub struct InboundFrame {
     pub received_at: String,
     /// The frame, validated.
     pub frame: ClientMessage,
+    /// The gateway reads [`DeliveryBatch`]es on its delivery subject, so frames for its
+    /// clients may travel to it together. Absent (false) from a gateway of an earlier
+    /// version, which is sent one message per frame.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delivery_batches: bool,
 }
 
 /// `sessions.acks.{replica}`: a gateway wrote these frames from the session service's outbox
@@ -60,6 +65,44 @@ pub struct DeliveryAck {
     /// The frames' `Nats-Msg-Id`s (at least one, at most 1,000).
     pub msg_ids: Vec<String>,
 }
+
+/// `deliver.{gateway}` with `Aip-Control: batch`: frames from the session service's outbox
+/// for several of one gateway's clients, in one message (the frames of one group commit for
+/// that gateway). The gateway handles each delivery as the message it stands for: a message
+/// with the delivery's `Nats-Msg-Id`, `Aip-Client`, `Aip-Connection` and `traceparent`, the
+/// batch's `Aip-Ack`, and the frame as its payload. Sent only to a gateway whose frames say
+/// it reads them ([`InboundFrame::delivery_batches`]).
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+pub struct DeliveryBatch<'a> {
+    /// Always 1.
+    pub version: V1,
+    /// The frames, in the order they are to be written (at least one, at most
+    /// [`MAX_DELIVERIES`]).
+    #[serde(borrow)]
+    pub deliveries: Vec<BatchedFrame<'a>>,
+}
+
+/// One frame of a [`DeliveryBatch`], with what the message it stands for would carry.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+pub struct BatchedFrame<'a> {
+    /// The frame's outbox id (`Nats-Msg-Id`): what the gateway acknowledges and de-duplicates.
+    pub msg_id: String,
+    /// The client it is for.
+    pub client_id: String,
+    /// The one connection of the client that may receive it, if only one may.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection_id: Option<String>,
+    /// The W3C trace context the frame continues, when tracing is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// The frame, as the client receives it.
+    #[serde(borrow)]
+    #[schemars(with = "serde_json::Value")]
+    pub frame: &'a serde_json::value::RawValue,
+}
+
+/// Deliveries one [`DeliveryBatch`] carries at most.
+pub const MAX_DELIVERIES: usize = 256;
 
 /// A registered connection ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

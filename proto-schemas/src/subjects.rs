@@ -233,7 +233,11 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             requests of many constellations to the same gateway, gathered while earlier ones are \
             on their way; `Aip-Client` names the first): it is answered with \
             `Aip-Control: device-info-batch` and a `DeviceInfoReply`, one answer per device in \
-            the request's order.",
+            the request's order. A message with `Aip-Control: batch` carries a `DeliveryBatch`: \
+            outbox frames for several of the gateway's clients (those of one group commit), each \
+            handled as the message it stands for; the session service sends them only to a \
+            gateway whose frames say it reads them (`InboundFrame.delivery_batches`), and sends \
+            frames again one by one.",
     },
     SubjectSpec {
         name: "sessions.acks",

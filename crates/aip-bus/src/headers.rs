@@ -29,6 +29,10 @@ pub mod names {
     /// `DeviceInfoRequest` payload: a `DeviceInfoReply` with an answer per device. An answer
     /// without it is for the device in [`CLIENT`] alone (a gateway of an earlier version).
     pub const DEVICE_INFO_BATCH: &str = "device-info-batch";
+    /// [`CONTROL`] of a message on a gateway's delivery subject whose payload is a
+    /// `DeliveryBatch`: frames for several of its clients, each handled as the message it
+    /// stands for.
+    pub const BATCH: &str = "batch";
     /// The connection a control instruction is about; on a frame for a client, the one
     /// connection of it that may receive the frame (another connection drops it).
     pub const CONNECTION: &str = "Aip-Connection";

@@ -118,6 +118,15 @@ pub fn context_of(span: &Span) -> Option<Context> {
     is_valid(&cx).then_some(cx)
 }
 
+/// The `traceparent` value that continues `span`, if tracing is on and the span is part of
+/// a trace (for a message that carries several frames, each with its own trace).
+pub fn traceparent_of(span: &Span) -> Option<String> {
+    let cx = context_of(span)?;
+    with_context(Headers::new(), &cx)
+        .get(TRACEPARENT)
+        .map(str::to_owned)
+}
+
 /// What a messaging span does, after OpenTelemetry's messaging conventions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operation {

@@ -152,6 +152,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Outbox frames not published because the registry knows no connection of their client (they wait in the outbox and are sent again).",
     ),
     (
+        "aip_sessions_frames_published_total",
+        Kind::Counter,
+        "Outbox frames published to their gateways, by `form` (alone: one message each; batched: inside a delivery batch).",
+    ),
+    (
+        "aip_sessions_delivery_batches_total",
+        Kind::Counter,
+        "Delivery batches published (divide the batched frames by them: frames per message).",
+    ),
+    (
         "aip_sessions_task_id_lookups_total",
         Kind::Counter,
         "New tasks' ids checked for being taken, by `outcome` (asked: looked up in the database; skipped: the leader's filter has never seen the id).",

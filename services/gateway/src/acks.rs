@@ -2,7 +2,8 @@
 //! acknowledged once it is written to its socket ([`DeliveryAck`]), and under load a gateway
 //! writes thousands a second. The connections queue their acknowledgements here, and one task
 //! sends whatever has queued as one message per session replica. A lone acknowledgement
-//! leaves at once; nothing waits to fill a message.
+//! leaves at once; nothing waits to fill a message (the task yields once, so that the
+//! connections woken by one delivery batch queue theirs first).
 
 use aip_bus::{Headers, SharedBus};
 use proto_schemas::V1;
@@ -66,6 +67,10 @@ async fn send_gathered(bus: SharedBus, mut queued: mpsc::Receiver<Queued>) {
     let mut by_subject: Vec<(String, Vec<String>)> = Vec::new();
     let mut flushes = Vec::new();
     while let Some(first) = queued.recv().await {
+        // The connections a delivery batch woke write their frames at about the same moment:
+        // yielding once lets those already running queue theirs, which then leave in this
+        // message. Nothing waits on a timer.
+        tokio::task::yield_now().await;
         let mut next = Some(first);
         let mut taken = 0;
         while let Some(item) = next {

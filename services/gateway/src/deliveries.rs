@@ -11,7 +11,9 @@
 //! another connection, [`crate::handlers::delivery`]). A message for a client this gateway
 //! does not hold is dropped unanswered: the session service sends an unacknowledged frame
 //! again, to the gateway the registry then names. Device-info requests from other gateways
-//! are answered here, from [`crate::devices`], without reaching the connection.
+//! are answered here, from [`crate::devices`], without reaching the connection. A
+//! [`DeliveryBatch`] (`Aip-Control: batch`) is taken apart into the messages it stands for,
+//! each routed as if it had come alone.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +25,7 @@ use proto_schemas::ErrorCode;
 use proto_schemas::gateways::{
     DeviceInfoReply, DeviceInfoRequest, HeldDevice, MAX_DEVICE_INFO_BATCH,
 };
+use proto_schemas::sessions::{DeliveryBatch, MAX_DELIVERIES};
 
 use crate::AppState;
 
@@ -192,31 +195,89 @@ pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
             answer_device_info(&state, &message).await;
             continue;
         }
-        let client = message.headers.get(names::CLIENT).map(str::to_owned);
-        match state.routes.route(message) {
-            Routed::Queued => {}
-            Routed::NotHeld => {
-                tracing::debug!(
-                    client,
-                    "a delivery for a client this gateway does not hold, dropped"
-                );
-                metrics::counter!("aip_gateway_deliveries_total", "outcome" => "not_held")
-                    .increment(1);
+        if message.headers.get(names::CONTROL) == Some(names::BATCH) {
+            match unpack(&message) {
+                Ok(deliveries) => {
+                    for delivery in deliveries {
+                        route(&state.routes, delivery);
+                    }
+                }
+                Err(e) => {
+                    // The session service sends each frame again, one by one.
+                    tracing::warn!("an unreadable delivery batch, dropped: {e}");
+                    metrics::counter!("aip_gateway_deliveries_total", "outcome" => "unreadable")
+                        .increment(1);
+                }
             }
-            Routed::Full => {
-                tracing::warn!(
-                    client,
-                    "a client's delivery queue is full; a delivery for it dropped"
-                );
-                metrics::counter!("aip_gateway_deliveries_total", "outcome" => "queue_full")
-                    .increment(1);
-            }
+            continue;
         }
+        route(&state.routes, message);
     }
     if !state.shutdown.is_cancelled() {
         tracing::error!("the delivery subscription ended; closing every connection");
     }
     state.routes.close_all();
+}
+
+/// Hands one delivery to its client's connection, counting what could not be.
+fn route(routes: &Routes, message: BusMessage) {
+    let client = message.headers.get(names::CLIENT).map(str::to_owned);
+    match routes.route(message) {
+        Routed::Queued => {}
+        Routed::NotHeld => {
+            tracing::debug!(
+                client,
+                "a delivery for a client this gateway does not hold, dropped"
+            );
+            metrics::counter!("aip_gateway_deliveries_total", "outcome" => "not_held").increment(1);
+        }
+        Routed::Full => {
+            tracing::warn!(
+                client,
+                "a client's delivery queue is full; a delivery for it dropped"
+            );
+            metrics::counter!("aip_gateway_deliveries_total", "outcome" => "queue_full")
+                .increment(1);
+        }
+    }
+}
+
+/// The messages a [`DeliveryBatch`] stands for, in its order: each with the headers it would
+/// carry alone and its frame as the payload (a slice of the batch's payload, not a copy).
+fn unpack(batch: &BusMessage) -> Result<Vec<BusMessage>, String> {
+    let read: DeliveryBatch<'_> =
+        serde_json::from_slice(&batch.payload).map_err(|e| e.to_string())?;
+    if read.deliveries.len() > MAX_DELIVERIES {
+        return Err(format!(
+            "{} deliveries; at most {MAX_DELIVERIES} in one batch",
+            read.deliveries.len()
+        ));
+    }
+    let ack = batch.headers.get(names::ACK);
+    Ok(read
+        .deliveries
+        .into_iter()
+        .map(|delivery| {
+            let mut headers = Headers::new()
+                .with(names::CLIENT, delivery.client_id)
+                .with(names::MSG_ID, delivery.msg_id);
+            if let Some(ack) = ack {
+                headers.insert(names::ACK, ack);
+            }
+            if let Some(connection) = delivery.connection_id {
+                headers.insert(names::CONNECTION, connection);
+            }
+            if let Some(traceparent) = delivery.traceparent {
+                headers.insert(names::TRACEPARENT, traceparent);
+            }
+            BusMessage {
+                subject: batch.subject.clone(),
+                reply: None,
+                headers,
+                payload: batch.payload.slice_ref(delivery.frame.get().as_bytes()),
+            }
+        })
+        .collect())
 }
 
 /// Another gateway asks, for its constellations, about a device or several: answered from
@@ -357,6 +418,73 @@ mod tests {
         drop(old);
         assert_eq!(routes.route(message("pc-1", None, "late")), Routed::NotHeld);
         assert!(routes.is_empty());
+    }
+
+    #[test]
+    fn a_batch_is_taken_apart_into_the_messages_it_stands_for() {
+        let batch = r#"{"version":1,"deliveries":[
+            {"msg_id":"m1","client_id":"pc-1","connection_id":"c1","frame":{"type":"command"}},
+            {"msg_id":"m2","client_id":"pc-2","traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01","frame":{"type":"task_end","status":"completed"}}
+        ]}"#;
+        let message = BusMessage {
+            subject: "aip.deliver.gw".to_owned(),
+            reply: None,
+            headers: Headers::new()
+                .with(names::CONTROL, names::BATCH)
+                .with(names::ACK, "aip.sessions.acks.r1"),
+            payload: Bytes::from(batch),
+        };
+        let unpacked = unpack(&message).expect("a batch");
+        assert_eq!(unpacked.len(), 2);
+        let [first, second] = &unpacked[..] else {
+            unreachable!()
+        };
+        assert_eq!(first.payload, r#"{"type":"command"}"#);
+        assert_eq!(first.headers.get(names::CLIENT), Some("pc-1"));
+        assert_eq!(first.headers.get(names::MSG_ID), Some("m1"));
+        assert_eq!(first.headers.get(names::ACK), Some("aip.sessions.acks.r1"));
+        assert_eq!(first.headers.get(names::CONNECTION), Some("c1"));
+        assert_eq!(first.headers.get(names::TRACEPARENT), None);
+        assert_eq!(
+            second.payload,
+            r#"{"type":"task_end","status":"completed"}"#
+        );
+        assert_eq!(second.headers.get(names::CONNECTION), None);
+        assert!(second.headers.get(names::TRACEPARENT).is_some());
+
+        // Each goes to its client's connection, as if it had come alone.
+        let routes = Arc::new(Routes::default());
+        let one = routes.open("pc-1", "c1").expect("open");
+        let two = routes.open("pc-2", "c2").expect("open");
+        for m in unpacked {
+            assert_eq!(routes.route(m), Routed::Queued);
+        }
+        assert_eq!(received(&one), [r#"{"type":"command"}"#]);
+        assert_eq!(received(&two).len(), 1);
+    }
+
+    #[test]
+    fn an_unreadable_or_oversized_batch_is_refused_whole() {
+        let message = |payload: String| BusMessage {
+            subject: "aip.deliver.gw".to_owned(),
+            reply: None,
+            headers: Headers::new().with(names::CONTROL, names::BATCH),
+            payload: Bytes::from(payload),
+        };
+        assert!(unpack(&message("not json".to_owned())).is_err());
+        assert!(
+            unpack(&message(
+                r#"{"version":1,"deliveries":[{"msg_id":"m"}]}"#.to_owned()
+            ))
+            .is_err()
+        );
+        let one = r#"{"msg_id":"m","client_id":"c","frame":{}}"#;
+        let many = vec![one; MAX_DELIVERIES + 1].join(",");
+        let error = unpack(&message(format!(
+            r#"{{"version":1,"deliveries":[{many}]}}"#
+        )))
+        .expect_err("too many");
+        assert!(error.contains("at most 256"), "{error}");
     }
 
     #[test]

@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::batches::{self, Gathered};
 use crate::callbacks::Callbacks;
 use crate::known::KnownIds;
 use crate::machine::{Answer, CommandStep, HandoffAsk, Machine, Refusal};
@@ -1079,12 +1080,13 @@ impl Engine {
     /// restart loses. The outbox sweeper sends it again until then.
     ///
     /// These are frames sent again: their clients' routes are asked of the registry anew (a
-    /// frame no gateway acknowledged may have gone to a gateway its client had left).
+    /// frame no gateway acknowledged may have gone to a gateway its client had left), and each
+    /// travels alone (the gateway may be one of an earlier version now, under the same id).
     pub(crate) async fn publish_frames(&self, frames: Vec<OutFrame>) {
         for frame in &frames {
             self.routes.forget(&frame.client_id);
         }
-        self.publish_frames_stored(frames, StoredBodies::new())
+        self.publish_frames_stored(frames, StoredBodies::new(), false)
             .await;
     }
 
@@ -1174,11 +1176,33 @@ impl Engine {
 
     /// Publishes frames, each to the gateway holding its client; those in `stored` by
     /// reference to their body, stored beforehand. A frame whose client is not connected
-    /// anywhere stays in the outbox.
-    async fn publish_frames_stored(&self, frames: Vec<OutFrame>, mut stored: StoredBodies) {
+    /// anywhere stays in the outbox. With `gather`, the frames for a gateway that reads
+    /// delivery batches travel together ([`crate::batches`]), in their order among that
+    /// gateway's other frames.
+    async fn publish_frames_stored(
+        &self,
+        frames: Vec<OutFrame>,
+        mut stored: StoredBodies,
+        gather: bool,
+    ) {
         let ack_subject = self.ack_subject();
         let gateways = self.gateways_of(&frames).await;
-        for frame in frames {
+        // Which frames may travel in a batch: those of a gateway that reads them and has more
+        // than one such frame here.
+        let mut batchable: HashMap<&str, usize> = HashMap::new();
+        let may_gather = |frame: &OutFrame, gateway: &str| {
+            gather && !stored.contains_key(&frame.msg_id) && self.routes.takes_batches(gateway)
+        };
+        for frame in &frames {
+            if let Some(gateway) = gateways.get(&frame.client_id)
+                && may_gather(frame, gateway)
+            {
+                *batchable.entry(gateway.as_str()).or_default() += 1;
+            }
+        }
+        let limit = self.bus.max_payload() / 2;
+        let mut gathered: HashMap<&str, Gathered<'_>> = HashMap::new();
+        for frame in &frames {
             let Some(gateway) = gateways.get(&frame.client_id) else {
                 tracing::debug!(client = %frame.client_id, "a frame for a client connected nowhere waits in the outbox");
                 metrics::counter!("aip_sessions_frames_unrouted_total").increment(1);
@@ -1189,8 +1213,33 @@ impl Engine {
                 aip_bus::trace::Operation::Publish,
                 &self.subjects.template(&subject),
                 &subject,
-                frame.trace,
+                frame.trace.clone(),
             );
+            if batchable.get(gateway.as_str()).is_some_and(|n| *n > 1) {
+                let delivery = batches::delivery(
+                    &frame.msg_id,
+                    &frame.client_id,
+                    frame.connection.as_deref(),
+                    aip_bus::trace::traceparent_of(&span),
+                    &frame.payload,
+                );
+                if let Some(delivery) = delivery {
+                    let batch = gathered.entry(gateway.as_str()).or_default();
+                    if !batch.fits(&delivery, limit) {
+                        self.publish_batch(subject.clone(), &ack_subject, batch)
+                            .await;
+                    }
+                    batch.push(delivery, span);
+                    continue;
+                }
+            }
+            // Whatever was gathered for this gateway goes first: frames keep their order.
+            if let Some(batch) = gathered.get_mut(gateway.as_str())
+                && !batch.is_empty()
+            {
+                self.publish_batch(subject.clone(), &ack_subject, batch)
+                    .await;
+            }
             let headers = delivery_headers(
                 &frame.msg_id,
                 &ack_subject,
@@ -1204,18 +1253,77 @@ impl Engine {
                     .boxed(),
                 None => self
                     .blobs
-                    .publish(self.bus.as_ref(), subject.clone(), headers, frame.payload)
+                    .publish(
+                        self.bus.as_ref(),
+                        subject.clone(),
+                        headers,
+                        frame.payload.clone(),
+                    )
                     .boxed(),
             };
             match publish.instrument(span).await {
                 Ok(()) => {
-                    if let Ok(mut unacknowledged) = self.unacknowledged.lock() {
-                        unacknowledged.insert(frame.msg_id, std::time::Instant::now());
-                    }
+                    metrics::counter!("aip_sessions_frames_published_total", "form" => "alone")
+                        .increment(1);
+                    self.published([frame.msg_id.clone()]);
                 }
                 Err(e) => {
                     tracing::warn!(%subject, "publish after commit failed, left in the outbox: {e}")
                 }
+            }
+        }
+        for (gateway, mut batch) in gathered {
+            if !batch.is_empty() {
+                let subject = self.subjects.deliver(gateway);
+                self.publish_batch(subject, &ack_subject, &mut batch).await;
+            }
+        }
+    }
+
+    /// Publishes the frames gathered for one gateway as one [`DeliveryBatch`] message.
+    ///
+    /// [`DeliveryBatch`]: proto_schemas::sessions::DeliveryBatch
+    async fn publish_batch(&self, subject: String, ack_subject: &str, batch: &mut Gathered<'_>) {
+        let taken = batch.take();
+        let count = taken.msg_ids.len();
+        let payload = match taken.payload {
+            Ok(payload) => payload,
+            Err(e) => {
+                tracing::error!(
+                    count,
+                    "a delivery batch could not be encoded; its frames wait in the outbox: {e}"
+                );
+                return;
+            }
+        };
+        let headers = Headers::new()
+            .with(aip_bus::names::CONTROL, aip_bus::names::BATCH)
+            .with(aip_bus::names::ACK, ack_subject.to_owned());
+        match self
+            .bus
+            .publish(subject.clone(), headers, payload.into())
+            .await
+        {
+            Ok(()) => {
+                metrics::counter!("aip_sessions_delivery_batches_total").increment(1);
+                metrics::counter!("aip_sessions_frames_published_total", "form" => "batched")
+                    .increment(count as u64);
+                self.published(taken.msg_ids);
+            }
+            Err(e) => {
+                tracing::warn!(%subject, count, "publish of a delivery batch after commit failed, its frames left in the outbox: {e}")
+            }
+        }
+        drop(taken.spans);
+    }
+
+    /// Frames just published: the sweeper leaves them alone until they are acknowledged or
+    /// old enough to send again.
+    fn published(&self, msg_ids: impl IntoIterator<Item = String>) {
+        if let Ok(mut unacknowledged) = self.unacknowledged.lock() {
+            let now = std::time::Instant::now();
+            for msg_id in msg_ids {
+                unacknowledged.insert(msg_id, now);
             }
         }
     }
@@ -1880,7 +1988,7 @@ async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Committed>) {
             Some(handle) => handle.await.unwrap_or_default(),
             None => StoredBodies::new(),
         };
-        engine.publish_frames_stored(frames, stored).await;
+        engine.publish_frames_stored(frames, stored, true).await;
     }
 }
 

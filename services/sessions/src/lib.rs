@@ -15,6 +15,7 @@
 //! nobody acknowledged, from a NATS restart or a crash).
 
 pub mod apart;
+pub mod batches;
 pub mod callbacks;
 pub mod engine;
 pub mod http;

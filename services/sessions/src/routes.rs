@@ -15,8 +15,12 @@
 //! service has neither heard from it nor read its new record: the frame is dropped by the
 //! gateway it reached, unacknowledged, and sent again after the outbox's resend delay, to the
 //! gateway the registry names then.
+//!
+//! It also keeps which gateways read [`proto_schemas::sessions::DeliveryBatch`]es, as their
+//! frames say (`InboundFrame.delivery_batches`): only those are sent several frames in one
+//! message ([`crate::batches`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
 use proto_schemas::registry::{AgentRecord, AgentStatus};
@@ -25,10 +29,15 @@ use proto_schemas::registry::{AgentRecord, AgentStatus};
 /// the registry once more).
 const MAX_ROUTES: usize = 200_000;
 
+/// Gateways remembered as reading batches at most (ids of gateways gone are forgotten all at
+/// once past it; their successors say so again with their next frame).
+const MAX_BATCHING_GATEWAYS: usize = 10_000;
+
 /// The routes, by client id.
 #[derive(Debug, Default)]
 pub struct Routes {
     table: Mutex<HashMap<String, Route>>,
+    batching: Mutex<HashSet<String>>,
 }
 
 #[derive(Debug, Clone)]
@@ -89,6 +98,26 @@ impl Routes {
         self.lock().get(client_id).map(|r| r.gateway_id.clone())
     }
 
+    /// A frame from `gateway_id` said that it reads delivery batches.
+    pub fn reads_batches(&self, gateway_id: &str) {
+        let mut batching = self.batching.lock().unwrap_or_else(|p| p.into_inner());
+        if batching.contains(gateway_id) {
+            return;
+        }
+        if batching.len() >= MAX_BATCHING_GATEWAYS {
+            batching.clear();
+        }
+        batching.insert(gateway_id.to_owned());
+    }
+
+    /// Whether `gateway_id` is known to read delivery batches.
+    pub fn takes_batches(&self, gateway_id: &str) -> bool {
+        self.batching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(gateway_id)
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Route>> {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -136,6 +165,19 @@ mod tests {
         assert_eq!(routes.gateway("pc").as_deref(), Some("gw-c"));
         routes.closed("pc", &c3);
         assert_eq!(routes.gateway("pc"), None);
+    }
+
+    #[test]
+    fn only_a_gateway_whose_frames_said_so_is_sent_batches() {
+        let routes = Routes::default();
+        routes.heard("pc", "gw-old", "c1");
+        assert!(
+            !routes.takes_batches("gw-old"),
+            "a gateway of an earlier version"
+        );
+        routes.reads_batches("gw-new");
+        assert!(routes.takes_batches("gw-new"));
+        assert!(!routes.takes_batches("gw-old"));
     }
 
     #[test]

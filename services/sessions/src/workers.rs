@@ -254,9 +254,11 @@ async fn prepare_chunk(
                 }
             }
             GatewayEvent::Frame(f) => {
-                engine
-                    .routes()
-                    .heard(&f.client_id, &f.gateway_id, &f.connection_id)
+                let routes = engine.routes();
+                routes.heard(&f.client_id, &f.gateway_id, &f.connection_id);
+                if f.delivery_batches {
+                    routes.reads_batches(&f.gateway_id);
+                }
             }
         }
     }

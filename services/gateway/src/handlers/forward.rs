@@ -67,6 +67,7 @@ pub(crate) async fn handle(
         extensions: identity.extensions.clone(),
         received_at: server::timestamp_now(),
         frame,
+        delivery_batches: true,
     });
     let published = events::publish(&client.state, &identity.client_id, &event, msg_id);
     let Err(e) = published.instrument(span).await else {

@@ -1,0 +1,92 @@
+//! Frames that one group commit releases for clients of the same gateway reach it together,
+//! as one delivery batch, and each client still receives exactly its own frames: many
+//! constellations on one gateway drive their devices at once, and every task ends completed
+//! with its own `task_end`.
+
+use aip_testkit::frames::{
+    command_results_for, constellation_register, constellation_task, device_register, one_step,
+};
+use aip_testkit::{Backend, Client, Options, Stack, both_backends};
+use serde_json::json;
+
+const PAIRS: usize = 16;
+
+/// The value of `name` with `labels` in the service's metrics (0 when absent).
+async fn metric(base: &str, name: &str, labels: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let series = format!("{name}{labels} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&series))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+async fn frames_of_one_group_travel_together(backend: Backend) {
+    let stack = Stack::start(backend, Options::default())
+        .await
+        .expect("stack");
+    let url = stack.ws_url(0);
+    let mut devices = Vec::new();
+    let mut galaxies = Vec::new();
+    for i in 0..PAIRS {
+        let device = format!("batch-pc-{i}");
+        devices.push(Client::registered(&url, device_register(&device, "linux")).await);
+        stack.wait_online(&device).await;
+        let galaxy = format!("batch-galaxy-{i}");
+        galaxies
+            .push(Client::registered(&url, constellation_register(&galaxy, Some(&device))).await);
+    }
+
+    let sessions = stack.sessions_url();
+    let batched = "aip_sessions_frames_published_total";
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        // Every constellation asks at once, so their commands are released together.
+        for (i, galaxy) in galaxies.iter_mut().enumerate() {
+            let task = constellation_task(
+                &format!("batch-galaxy-{i}"),
+                &format!("batch-pc-{i}"),
+                &format!("batch-r{rounds}-{i}"),
+                "t",
+                Some(one_step("echo", json!({ "pair": i }))),
+            );
+            galaxy.send(&task).await.expect("task");
+        }
+        for (i, device) in devices.iter_mut().enumerate() {
+            let command = device.recv_type("command").await.expect("a command");
+            assert_eq!(
+                command["session_id"],
+                format!("batch-r{rounds}-{i}"),
+                "each device gets its own task's command"
+            );
+            let actions = command["actions"].to_string();
+            assert!(actions.contains(&format!("\"pair\":{i}")), "{actions}");
+            device
+                .send(&command_results_for(&format!("batch-pc-{i}"), &command))
+                .await
+                .expect("results");
+        }
+        for (i, galaxy) in galaxies.iter_mut().enumerate() {
+            let end = galaxy.recv_type("task_end").await.expect("a task_end");
+            assert_eq!(end["session_id"], format!("batch-r{rounds}-{i}"));
+            assert_eq!(end["status"], "completed", "{end}");
+        }
+        let in_batches = metric(&sessions, batched, "{form=\"batched\"}").await;
+        if in_batches > 0.0 || rounds == 20 {
+            let batches = metric(&sessions, "aip_sessions_delivery_batches_total", "").await;
+            assert!(
+                in_batches >= 2.0 * batches && batches >= 1.0,
+                "after {rounds} rounds of {PAIRS} tasks at once: {in_batches} frames in {batches} batches"
+            );
+            break;
+        }
+    }
+    stack.stop().await;
+}
+both_backends!(frames_of_one_group_travel_together);
