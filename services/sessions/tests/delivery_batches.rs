@@ -9,22 +9,10 @@ use aip_testkit::frames::{
 use aip_testkit::{Backend, Client, Options, Stack, both_backends};
 use serde_json::json;
 
-const PAIRS: usize = 16;
+mod common;
+use common::metric;
 
-/// The value of `name` with `labels` in the service's metrics (0 when absent).
-async fn metric(base: &str, name: &str, labels: &str) -> f64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    let series = format!("{name}{labels} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&series))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .unwrap_or(0.0)
-}
+const PAIRS: usize = 16;
 
 async fn frames_of_one_group_travel_together(backend: Backend) {
     let stack = Stack::start(backend, Options::default())
@@ -43,7 +31,6 @@ async fn frames_of_one_group_travel_together(backend: Backend) {
     }
 
     let sessions = stack.sessions_url();
-    let batched = "aip_sessions_frames_published_total";
     let mut rounds = 0;
     loop {
         rounds += 1;
@@ -77,9 +64,13 @@ async fn frames_of_one_group_travel_together(backend: Backend) {
             assert_eq!(end["session_id"], format!("batch-r{rounds}-{i}"));
             assert_eq!(end["status"], "completed", "{end}");
         }
-        let in_batches = metric(&sessions, batched, "{form=\"batched\"}").await;
+        let in_batches = metric(
+            &sessions,
+            "aip_sessions_frames_published_total{form=\"batched\"}",
+        )
+        .await;
         if in_batches > 0.0 || rounds == 20 {
-            let batches = metric(&sessions, "aip_sessions_delivery_batches_total", "").await;
+            let batches = metric(&sessions, "aip_sessions_delivery_batches_total").await;
             assert!(
                 in_batches >= 2.0 * batches && batches >= 1.0,
                 "after {rounds} rounds of {PAIRS} tasks at once: {in_batches} frames in {batches} batches"

@@ -10,7 +10,7 @@ use aip_testkit::{Client, post_json};
 use serde_json::{Value, json};
 
 mod common;
-use common::{free_port, stack_without_sessions, start_ready_sessions};
+use common::{free_port, metric, stack_without_sessions, start_ready_sessions};
 
 const DEVICE: &str = "known-device";
 const GALAXY: &str = "known-galaxy";
@@ -19,17 +19,8 @@ const KEPT: &str = "kept-1";
 
 /// `aip_sessions_task_id_lookups_total` with this `outcome`, from the service's metrics.
 async fn lookups(base: &str, outcome: &str) -> u64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    let series = format!("aip_sessions_task_id_lookups_total{{outcome=\"{outcome}\"}} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&series))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .map_or(0, |value| value as u64)
+    let series = format!("aip_sessions_task_id_lookups_total{{outcome=\"{outcome}\"}}");
+    metric(base, &series).await as u64
 }
 
 /// `from` (a constellation) asks for a one-step task on `target` under `session`.

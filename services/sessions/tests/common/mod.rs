@@ -17,6 +17,23 @@ impl Drop for Process {
     }
 }
 
+/// The value of the series `series` (a metric name with its labels, e.g.
+/// `aip_sessions_frames_published_total{form="batched"}`) in the service's metrics at `base`;
+/// 0 when the service has not reported it yet.
+pub async fn metric(base: &str, series: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
 /// A free loopback port.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
