@@ -5,7 +5,7 @@
 //! gateway's acknowledgement of it usually another. To a gateway that reads
 //! [`DeliveryBatch`]es ([`crate::routes::Routes::takes_batches`]) the frames of one group
 //! travel together instead: one message per gateway (split past [`MAX_DELIVERIES`] frames or
-//! the size given), in their order, which the gateway takes apart into the messages they
+//! the size given; a frame larger than that alone travels alone), in their order, which the gateway takes apart into the messages they
 //! stand for. Nothing waits to fill a batch: it holds what one group released. A frame stored
 //! as a blob, the only frame of its group for its gateway, or a frame sent again by the outbox
 //! sweeper travels alone, as before ([`crate::engine`]).
@@ -54,12 +54,16 @@ fn size(delivery: &BatchedFrame<'_>) -> usize {
         + delivery.traceparent.as_ref().map_or(0, String::len)
 }
 
+/// Whether `delivery` is too large for a batch of at most `limit` bytes even alone (it then
+/// travels as a message of its own).
+pub fn too_large(delivery: &BatchedFrame<'_>, limit: usize) -> bool {
+    size(delivery) > limit
+}
+
 impl<'a> Gathered<'a> {
-    /// Whether `delivery` can join those gathered in a batch of at most `limit` bytes (a
-    /// first one always can).
+    /// Whether `delivery` can join those gathered in a batch of at most `limit` bytes.
     pub fn fits(&self, delivery: &BatchedFrame<'_>, limit: usize) -> bool {
-        self.deliveries.is_empty()
-            || (self.deliveries.len() < MAX_DELIVERIES && self.bytes + size(delivery) <= limit)
+        self.deliveries.len() < MAX_DELIVERIES && self.bytes + size(delivery) <= limit
     }
 
     /// Adds a delivery, and the span of its publish (ended once the batch is sent).
@@ -146,9 +150,11 @@ mod tests {
         gathered.push(two, tracing::Span::none());
         let three = delivery("m2", "c", None, None, frame).expect("JSON");
         assert!(!gathered.fits(&three, limit), "over the size");
+        assert!(Gathered::default().fits(&three, limit));
+        assert!(!too_large(&three, limit));
         assert!(
-            Gathered::default().fits(&three, 0),
-            "a first delivery always fits"
+            too_large(&three, limit / 2 - 1),
+            "a frame larger than a batch travels alone"
         );
         let mut full = Gathered::default();
         for i in 0..MAX_DELIVERIES {

@@ -1223,7 +1223,7 @@ impl Engine {
                     aip_bus::trace::traceparent_of(&span),
                     &frame.payload,
                 );
-                if let Some(delivery) = delivery {
+                if let Some(delivery) = delivery.filter(|d| !batches::too_large(d, limit)) {
                     let batch = gathered.entry(gateway.as_str()).or_default();
                     if !batch.fits(&delivery, limit) {
                         self.publish_batch(subject.clone(), &ack_subject, batch)
