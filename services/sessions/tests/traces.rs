@@ -2,8 +2,9 @@
 //! their own processes, exporting over OTLP to a receiver inside this test (a real OTLP gRPC
 //! endpoint on a free port). A Galaxy-format constellation on gateway A runs a task on a UFO
 //! device on gateway B; every span of the task, from every process, is in one trace and
-//! parented as the task travelled. A frame's `metadata.traceparent` joins the client's own
-//! trace. The group commit's span links the tasks it wrote.
+//! parented as the task travelled, also when its frames travel in a delivery batch (a
+//! constellation and its device on one gateway). A frame's `metadata.traceparent` joins the
+//! client's own trace. The group commit's span links the tasks it wrote.
 
 mod common;
 
@@ -237,6 +238,33 @@ async fn one_task_is_one_trace_across_processes() {
         let end = galaxy.recv_type("task_end").await.expect("task_end");
         assert_eq!(end["status"], "completed", "{end}");
     }
+    // A constellation and its device on the same gateway: the frames one group releases for
+    // both travel in one delivery batch, and each still continues the task's trace.
+    let mut near_device = Client::registered(&ws[0], device_register("dev-a", "linux")).await;
+    let mut near =
+        Client::registered(&ws[0], constellation_register("near@dev-a", Some("dev-a"))).await;
+    let mut task = constellation_task(
+        "near@dev-a",
+        "dev-a",
+        "batched",
+        "batched",
+        Some(one_step("echo", json!({ "text": "together" }))),
+    );
+    task["metadata"]["traceparent"] =
+        json!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    near.send(&task).await.expect("sent");
+    let command = near_device.recv_type("command").await.expect("a command");
+    near_device
+        .send(&command_results_for("dev-a", &command))
+        .await
+        .expect("answered");
+    let end = near.recv_type("task_end").await.expect("task_end");
+    assert_eq!(end["status"], "completed", "{end}");
+    let sessions_base = format!("http://127.0.0.1:{sessions_port}");
+    assert!(
+        common::metric(&sessions_base, "aip_sessions_delivery_batches_total").await >= 1.0,
+        "frames for the same gateway went in a batch"
+    );
 
     let frames = format!("{prefix}.frames.{{client}}");
     let deliver = format!("{prefix}.deliver.{{gateway}}");
@@ -419,6 +447,27 @@ async fn one_task_is_one_trace_across_processes() {
     .await
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(joined.len(), kept.len());
+
+    // The batched task's trace is whole too (its device is new to the session service, so
+    // the registry is asked, as for the first task).
+    let batched = eventually_within(
+        Duration::from_secs(20),
+        "the batched task's trace",
+        || async {
+            let spans: Vec<Received> = receiver
+                .spans
+                .lock()
+                .expect("lock")
+                .iter()
+                .filter(|s| s.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736")
+                .cloned()
+                .collect();
+            chain(&expected, &spans, "00f067aa0ba902b7")
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(batched.len(), expected.len());
 
     // A group commit that wrote the task links its trace.
     let linked = eventually_within(Duration::from_secs(20), "a linked group commit", || async {
