@@ -246,7 +246,16 @@ fn parse<Req: DeserializeOwned>(name: &str, payload: &[u8]) -> Result<Req, Error
 /// U+FFFD, as the session service stores it. PostgreSQL cannot hold NUL, so an id or a JSON
 /// field with one would otherwise fail its statement (and a presence batch with one, every
 /// later presence flush) on PostgreSQL only.
+///
+/// JSON can carry a NUL only as the escape `\u0000`, so a payload without that text is read
+/// straight into `T`; anything else, and a payload that does not read as `T` (whose error
+/// then names where), goes through a `Value` first.
 pub(crate) fn read_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, PayloadError> {
+    if !payload.windows(NUL_ESCAPE.len()).any(|w| w == NUL_ESCAPE)
+        && let Ok(read) = serde_json::from_slice(payload)
+    {
+        return Ok(read);
+    }
     let mut value: serde_json::Value =
         serde_json::from_slice(payload).map_err(|e| PayloadError {
             path: String::new(),
@@ -261,6 +270,9 @@ pub(crate) fn read_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Pay
         }
     })
 }
+
+/// How JSON text writes a NUL.
+const NUL_ESCAPE: &[u8] = b"\\u0000";
 
 /// Why a payload is not the expected JSON; shown as ` at `path`: error` (or `: error`).
 #[derive(Debug)]
@@ -329,6 +341,28 @@ mod tests {
             refusal.detail,
             "invalid registry.get request: EOF while parsing a list at line 1 column 1"
         );
+    }
+
+    #[test]
+    fn a_payload_without_nul_reads_as_it_did_through_a_value() {
+        let text = br#"{"version": 1, "agent_id": "pc-1", "agent_id": "pc-2"}"#;
+        let read: proto_schemas::registry::GetAgent = read_payload(text).expect("valid");
+        assert_eq!(
+            read.agent_id, "pc-2",
+            "of a repeated key the last counts, as before"
+        );
+        let mut request = proto_schemas::registry::RegisterAgent::device(
+            "pc-1",
+            "gw",
+            "conn",
+            "key:ops",
+            proto_schemas::Platform::Linux,
+        );
+        request.metadata = Some(serde_json::json!({ "os": "linux", "cpu": [1, 2.5, null] }));
+        request.capabilities = vec!["excel".to_owned()];
+        let text = serde_json::to_vec(&request).expect("encoded");
+        let read: proto_schemas::registry::RegisterAgent = read_payload(&text).expect("valid");
+        assert_eq!(read, request);
     }
 
     #[test]
