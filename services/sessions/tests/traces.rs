@@ -428,46 +428,49 @@ async fn one_task_is_one_trace_across_processes() {
     // The two gateway ends are on different gateways: a task frame on A, the command on B.
     // (Both export as `aip-gateway`; the chain's parenting already crosses them.)
 
+    // A trace a client started, found whole under its root span: the spans of `trace_id`
+    // chained as `expected` from the client's span `root`.
+    let client_trace =
+        |what: &'static str,
+         trace_id: &'static str,
+         root: &'static str,
+         expected: Vec<(&'static str, String, i32, Option<usize>)>| {
+            let receiver = receiver.clone();
+            let chain = &chain;
+            async move {
+                let found = eventually_within(Duration::from_secs(20), what, || async {
+                    let spans: Vec<Received> = receiver
+                        .spans
+                        .lock()
+                        .expect("lock")
+                        .iter()
+                        .filter(|s| s.trace_id == trace_id)
+                        .cloned()
+                        .collect();
+                    chain(&expected, &spans, root)
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(found.len(), expected.len());
+            }
+        };
     // The client's own trace is joined: the gateway's first span is its child.
-    let joined = eventually_within(
-        Duration::from_secs(20),
+    client_trace(
         "the joined task's trace",
-        || async {
-            let spans: Vec<Received> = receiver
-                .spans
-                .lock()
-                .expect("lock")
-                .iter()
-                .filter(|s| s.trace_id == "0af7651916cd43dd8448eb211c80319c")
-                .cloned()
-                .collect();
-            chain(&kept, &spans, "b7ad6b7169203331")
-        },
+        "0af7651916cd43dd8448eb211c80319c",
+        "b7ad6b7169203331",
+        kept.clone(),
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(joined.len(), kept.len());
-
+    .await;
     // The batched task's trace is whole too (its device is new to the session service, so
     // the registry is asked, as for the first task).
-    let batched = eventually_within(
-        Duration::from_secs(20),
+    client_trace(
         "the batched task's trace",
-        || async {
-            let spans: Vec<Received> = receiver
-                .spans
-                .lock()
-                .expect("lock")
-                .iter()
-                .filter(|s| s.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736")
-                .cloned()
-                .collect();
-            chain(&expected, &spans, "00f067aa0ba902b7")
-        },
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+        "00f067aa0ba902b7",
+        expected.clone(),
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(batched.len(), expected.len());
+    .await;
 
     // A group commit that wrote the task links its trace.
     let linked = eventually_within(Duration::from_secs(20), "a linked group commit", || async {
