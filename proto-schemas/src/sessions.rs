@@ -24,6 +24,11 @@ pub enum GatewayEvent {
     /// in order. A gateway sends the ends that came while the report of an earlier one was on
     /// its way together; a lone end goes as `closed`.
     ClosedMany(ConnectionsClosed),
+    /// Several frames from one gateway's clients, each as its `frame` event would say, in the
+    /// order they are to be applied. A gateway stores the frames that came while an earlier
+    /// one was on its way to the stream together; a lone frame, and one that needs the blob
+    /// store, goes as `frame`.
+    FramesMany(InboundFrames),
 }
 
 /// One client frame, with the identity the gateway pinned to its connection.
@@ -132,6 +137,30 @@ pub struct ConnectionsClosed {
 
 /// Ends one [`ConnectionsClosed`] carries at most.
 pub const MAX_CLOSED_MANY: usize = 256;
+
+/// Several clients' frames in one event (at least two, at most [`MAX_FRAMES_MANY`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct InboundFrames {
+    /// Always 1.
+    pub version: V1,
+    /// The frames, in the order the gateway stored them.
+    pub frames: Vec<GatheredFrame>,
+}
+
+/// One frame of an [`InboundFrames`] event, with what its own stream message would carry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GatheredFrame {
+    /// The frame's own `Nats-Msg-Id`: what the session service de-duplicates it by.
+    pub msg_id: String,
+    /// The W3C trace context the frame continues, when tracing is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// The frame, as its `frame` event would carry it.
+    pub inbound: InboundFrame,
+}
+
+/// Frames one [`InboundFrames`] carries at most.
+pub const MAX_FRAMES_MANY: usize = 256;
 
 /// The state of a task. `completed`, `failed`, `canceled` and `rejected` are terminal.
 #[derive(

@@ -237,7 +237,9 @@ pub const CATALOGUE: &[SubjectSpec] = &[
             outbox frames for several of the gateway's clients (those of one group commit), each \
             handled as the message it stands for; the session service sends them only to a \
             gateway whose frames say it reads them (`InboundFrame.delivery_batches`), and sends \
-            frames again one by one.",
+            frames again one by one. Every frame from the session service carries \
+            `Aip-Reads: frames-many`: the gateway may then gather its clients' frames into \
+            `frames_many` events on the frames stream.",
     },
     SubjectSpec {
         name: "sessions.acks",
@@ -366,7 +368,11 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         description: "Client frames the session service handles (task, command_results, task_end, \
             extension frames) with the identity the gateway pinned to the connection, and the end of \
             each registered connection. `Nats-Msg-Id` is `<connection id>:<frame number>`, so a \
-            re-sent frame is stored once.",
+            re-sent frame is stored once. Frames that came while one was on its way travel \
+            together as one `frames_many` event (`Nats-Msg-Id` `<first frame's id>:many`, on the \
+            subject of the first frame's client), each with its own id, by which the session \
+            service applies it once; ends likewise as `closed_many`. A gateway gathers frames only \
+            while the session service's frames to it carry `Aip-Reads: frames-many`.",
     },
     SubjectSpec {
         name: "blobs",

@@ -40,6 +40,13 @@ pub mod names {
     /// the client's socket (the frame's `Nats-Msg-Id` as the payload). The sender keeps the
     /// frame until then and sends it again otherwise.
     pub const ACK: &str = "Aip-Ack";
+    /// On a frame for a client from the session service: what the session service reads in
+    /// the frames stream beyond one event per message ([`FRAMES_MANY`]). A gateway gathers
+    /// its clients' frames only while the frames it is sent say so, so a session service of
+    /// an earlier version is never sent an event it cannot read.
+    pub const READS: &str = "Aip-Reads";
+    /// [`READS`] of a session service that reads `frames_many` events.
+    pub const FRAMES_MANY: &str = "frames-many";
 }
 
 /// An ordered list of header name/value pairs (names compared case-sensitively, like NATS).

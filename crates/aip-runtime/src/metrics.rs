@@ -102,6 +102,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Ends of registered connections carried by those events (divided by the events: ends per stream message).",
     ),
     (
+        "aip_gateway_frame_events_total",
+        Kind::Counter,
+        "Frames-stream messages carrying client frames for the session service (a `frame` event, or a `frames_many` with the frames that gathered while one was on its way).",
+    ),
+    (
+        "aip_gateway_frames_stored_total",
+        Kind::Counter,
+        "Client frames carried by those messages (divided by the messages: frames per stream message).",
+    ),
+    (
         "aip_gateway_reads_paused_total",
         Kind::Counter,
         "Times a connection's reading paused, by `reason` (byte_rate: over `bytes_per_second`).",

@@ -191,6 +191,11 @@ pub async fn subscribe(
 /// with it every connection (clients reconnect, to this gateway or another).
 pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
     while let Some(message) = subscription.next().await {
+        if message.headers.get(names::ACK).is_some() {
+            // A frame from the session service: whether it reads gathered frames.
+            let reads = message.headers.get(names::READS) == Some(names::FRAMES_MANY);
+            state.frames.sessions_read_gathered(reads);
+        }
         if message.headers.get(names::CONTROL) == Some(names::DEVICE_INFO) {
             answer_device_info(&state, &message).await;
             continue;

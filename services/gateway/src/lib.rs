@@ -68,6 +68,8 @@ pub struct AppState {
     pub registrations: registrations::Registrations,
     /// The ends of connections, for the session service, gathered while one is on its way.
     pub closings: events::Closings,
+    /// Client frames for the session service, gathered while one is on its way.
+    pub frames: events::Frames,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
     /// Where connections queue the acknowledgements of the frames they wrote.
@@ -291,11 +293,17 @@ impl runner::Service for Application {
             aip_bus::BlobStore::for_subjects(&subjects),
             subjects.clone(),
         );
+        let frames = events::Frames::start(
+            bus.clone(),
+            aip_bus::BlobStore::for_subjects(&subjects),
+            subjects.clone(),
+        );
         let state = Arc::new(AppState {
             origins,
             registry,
             registrations,
             closings,
+            frames,
             announce,
             announced,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),

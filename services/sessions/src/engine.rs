@@ -479,6 +479,21 @@ impl Engine {
         )
     }
 
+    /// The span a frame of a `frames_many` event is handled in: it continues the frame's own
+    /// trace, as [`Engine::frame_span`] does a message's.
+    pub(crate) fn gathered_frame_span(
+        &self,
+        message: &aip_bus::Message,
+        traceparent: Option<&str>,
+    ) -> tracing::Span {
+        aip_bus::trace::continuing(
+            aip_bus::trace::Operation::Process,
+            &self.subjects.template(&message.subject),
+            &message.subject,
+            traceparent.and_then(aip_bus::trace::from_traceparent),
+        )
+    }
+
     /// Turns a failure of a REST or NATS request into its answer (reading the database for a
     /// task that is not live).
     async fn answer<T>(&self, result: Result<T, Failure>) -> Result<T, EngineError> {
@@ -1298,7 +1313,8 @@ impl Engine {
         };
         let headers = Headers::new()
             .with(aip_bus::names::CONTROL, aip_bus::names::BATCH)
-            .with(aip_bus::names::ACK, ack_subject.to_owned());
+            .with(aip_bus::names::ACK, ack_subject.to_owned())
+            .with(aip_bus::names::READS, aip_bus::names::FRAMES_MANY);
         match self
             .bus
             .publish(subject.clone(), headers, payload.into())
@@ -1994,7 +2010,8 @@ async fn run_publisher(engine: Engine, mut batches: mpsc::Receiver<Committed>) {
 
 /// Headers of a frame from the outbox: its client; its message id, so that a frame sent again
 /// is recognised (and dropped) by the gateway that already wrote it to the client; where that
-/// gateway acknowledges it; and the one connection that may receive it, if only one may.
+/// gateway acknowledges it; that this service reads `frames_many` events; and the one
+/// connection that may receive it, if only one may.
 pub fn delivery_headers(
     msg_id: &str,
     ack_subject: &str,
@@ -2004,7 +2021,8 @@ pub fn delivery_headers(
     let headers = Headers::new()
         .with(aip_bus::names::CLIENT, client_id.to_owned())
         .with(aip_bus::names::MSG_ID, msg_id.to_owned())
-        .with(aip_bus::names::ACK, ack_subject.to_owned());
+        .with(aip_bus::names::ACK, ack_subject.to_owned())
+        .with(aip_bus::names::READS, aip_bus::names::FRAMES_MANY);
     match connection {
         Some(connection) => headers.with(aip_bus::names::CONNECTION, connection.to_owned()),
         None => headers,

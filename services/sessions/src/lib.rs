@@ -24,6 +24,7 @@ pub mod machine;
 pub mod planners;
 pub mod routes;
 pub mod settings;
+pub mod settling;
 pub mod store;
 pub mod targets;
 pub mod task;

@@ -23,6 +23,7 @@ use crate::engine::{
 };
 use crate::machine::{Answer, Answerer, Refusal};
 use crate::planners::Planners;
+use crate::settling::{Shared, Source};
 use crate::store::now_ms;
 use aip_bus::Delivery;
 use proto_schemas::ClientMessageType;
@@ -164,10 +165,10 @@ async fn run_consumer(
             continue;
         }
         failing_chunks = 0;
-        for (delivery, msg_id, event, task, handoff, span) in chunk {
+        for (source, msg_id, event, task, handoff, span) in chunk {
             let (reply, done) = tokio::sync::oneshot::channel();
             let (op, inbound) = match event {
-                GatewayEvent::Frame(mut inbound) => {
+                Inbound::Frame(mut inbound) => {
                     // What a refusal needs is kept; the frame itself goes to the applier, not
                     // copied (its results can be a 90 MiB screenshot).
                     let action_results = inbound.frame.action_results.take();
@@ -184,20 +185,9 @@ async fn run_consumer(
                     };
                     (op, Some(kept))
                 }
-                GatewayEvent::Closed(closed) => (
+                Inbound::Ends(ends) => (
                     Op::Closed {
-                        ends: vec![ConnectionEnd::from(closed)],
-                        reply,
-                    },
-                    None,
-                ),
-                GatewayEvent::ClosedMany(many) => (
-                    Op::Closed {
-                        ends: many
-                            .connections
-                            .into_iter()
-                            .map(ConnectionEnd::from)
-                            .collect(),
+                        ends: ends.into_iter().map(ConnectionEnd::from).collect(),
                         reply,
                     },
                     None,
@@ -207,7 +197,7 @@ async fn run_consumer(
                 return ConsumerEnd::Stopped;
             }
             engine.frames.received();
-            tracker.spawn(settle(engine.clone(), delivery, msg_id, inbound, done));
+            tracker.spawn(settle(engine.clone(), source, msg_id, inbound, done));
         }
     }
 }
@@ -215,12 +205,28 @@ async fn run_consumer(
 /// The agents the registry offers for a `handoff` frame.
 type HandoffCandidates = Result<Vec<proto_schemas::registry::AgentRecord>, ErrorBody>;
 
-/// One stream message, read and prepared (a `task` frame's task, a `handoff` frame's
-/// candidates).
+/// What an event read from the frames stream asks of the applier.
+enum Inbound {
+    /// A client's frame (alone, or one of a `frames_many`).
+    Frame(InboundFrame),
+    /// Connections' ends, in order (a `closed` or a `closed_many`).
+    Ends(Vec<ConnectionClosed>),
+}
+
+/// One event read from the frames stream: where it came from (to settle it), its message
+/// id, and the span it is handled in.
+struct ReadEvent {
+    source: Source,
+    msg_id: String,
+    event: Inbound,
+    span: tracing::Span,
+}
+
+/// One event, read and prepared (a `task` frame's task, a `handoff` frame's candidates).
 type PreparedEvent = (
-    Delivery,
+    Source,
     String,
-    GatewayEvent,
+    Inbound,
     Option<TaskFrame>,
     Option<HandoffCandidates>,
     tracing::Span,
@@ -242,53 +248,42 @@ async fn prepare_chunk(
         }
     }))
     .await;
-    let events: Vec<(Delivery, String, GatewayEvent)> = read.into_iter().flatten().collect();
+    let events: Vec<ReadEvent> = read.into_iter().flatten().collect();
     // As soon as an end is read: the chunks prepared after this one ask the registry again.
     // A frame says where its client is now.
-    for (_, _, event) in &events {
+    for ReadEvent { event, span, .. } in &events {
         match event {
-            GatewayEvent::Closed(closed) => forget_connection(&engine, closed),
-            GatewayEvent::ClosedMany(many) => {
-                for closed in &many.connections {
+            Inbound::Ends(ends) => {
+                for closed in ends {
                     forget_connection(&engine, closed);
                 }
             }
-            GatewayEvent::Frame(f) => {
+            Inbound::Frame(f) => {
                 let routes = engine.routes();
                 routes.heard(&f.client_id, &f.gateway_id, &f.connection_id);
                 if f.delivery_batches {
                     routes.reads_batches(&f.gateway_id);
                 }
+                if let Some(id) = &f.frame.session_id {
+                    aip_bus::trace::record_session(span, id);
+                }
             }
         }
     }
-    let spans: Vec<tracing::Span> = events
-        .iter()
-        .map(|(delivery, _, event)| {
-            let span = engine.frame_span(&delivery.message);
-            if let GatewayEvent::Frame(f) = event
-                && let Some(id) = &f.frame.session_id
-            {
-                aip_bus::trace::record_session(&span, id);
-            }
-            span
-        })
-        .collect();
     let task_frames: Vec<&InboundFrame> = events
         .iter()
-        .filter_map(|(_, _, event)| match event {
-            GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => Some(f),
+        .filter_map(|ReadEvent { event, .. }| match event {
+            Inbound::Frame(f) if f.frame.kind == ClientMessageType::Task => Some(f),
             _ => None,
         })
         .collect();
     // The chunk's registry lookups run in the span of its first task frame.
     let first_task_span = events
         .iter()
-        .zip(&spans)
-        .find(|((_, _, event), _)| {
-            matches!(event, GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task)
+        .find(|ReadEvent { event, .. }| {
+            matches!(event, Inbound::Frame(f) if f.frame.kind == ClientMessageType::Task)
         })
-        .map_or_else(tracing::Span::none, |(_, span)| span.clone());
+        .map_or_else(tracing::Span::none, |read| read.span.clone());
     let started = std::time::Instant::now();
     let mut prepared = engine
         .prepare_frames(&task_frames)
@@ -303,9 +298,9 @@ async fn prepare_chunk(
     );
     // A handoff frame's candidates, looked up now (they are rare: one at a time).
     let mut handoffs = Vec::new();
-    for (_, _, event) in &events {
+    for ReadEvent { event, .. } in &events {
         handoffs.push(match event {
-            GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Handoff => Some(
+            Inbound::Frame(f) if f.frame.kind == ClientMessageType::Handoff => Some(
                 engine
                     .handoff_candidates(&crate::machine::handoff_placement(f))
                     .await,
@@ -316,15 +311,19 @@ async fn prepare_chunk(
     let prepared = events
         .into_iter()
         .zip(handoffs)
-        .zip(spans)
-        .map(|(((delivery, msg_id, event), handoff), span)| {
-            let task = match &event {
-                GatewayEvent::Frame(f) if f.frame.kind == ClientMessageType::Task => {
-                    prepared.next()
-                }
+        .map(|(read, handoff)| {
+            let task = match &read.event {
+                Inbound::Frame(f) if f.frame.kind == ClientMessageType::Task => prepared.next(),
                 _ => None,
             };
-            (delivery, msg_id, event, task, handoff, span)
+            (
+                read.source,
+                read.msg_id,
+                read.event,
+                task,
+                handoff,
+                read.span,
+            )
         })
         .collect();
     (prepared, errors)
@@ -357,7 +356,7 @@ const CHUNK: usize = 256;
 /// Acks a frame once its change committed (after answering a refused one), or naks it.
 async fn settle(
     engine: Engine,
-    delivery: Delivery,
+    source: Source,
     msg_id: String,
     inbound: Option<InboundFrame>,
     done: tokio::sync::oneshot::Receiver<Result<(), Failure>>,
@@ -365,42 +364,35 @@ async fn settle(
     let outcome = done
         .await
         .unwrap_or_else(|_| Err(Failure::Store("the applier stopped".into())));
-    match outcome {
-        Ok(()) => {}
+    let verdict = match outcome {
+        Ok(()) => Ok(()),
+        // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
         Err(Failure::Store(e) | Failure::Refused(Refusal::Retry(e))) => {
-            // Not applied: kept, whatever the attempt (nothing is lost in a database outage).
-            return deliver_again(&engine, delivery, "frame not applied", &e).await;
+            Err(format!("frame not applied, will retry: {e}"))
         }
-        Err(Failure::Refused(refusal)) => {
-            if let Some(inbound) = &inbound {
-                // A refusal whose database checks keep failing is sent without them rather
-                // than holding the frame, and the frames behind it, forever.
-                let checked = delivery.delivered < REFUSAL_ATTEMPTS;
-                if let Err(e) = engine
-                    .refuse_frame(inbound, &msg_id, refusal, checked)
-                    .await
-                {
-                    return deliver_again(&engine, delivery, "refusal not sent", &e).await;
-                }
-            }
+        Err(Failure::Refused(refusal)) => match &inbound {
+            // A refusal whose database checks keep failing is sent without them rather than
+            // holding the frame, and the frames behind it, forever.
+            Some(inbound) => engine
+                .refuse_frame(
+                    inbound,
+                    &msg_id,
+                    refusal,
+                    source.delivered() < REFUSAL_ATTEMPTS,
+                )
+                .await
+                .map_err(|e| format!("refusal not sent, will retry: {e}")),
+            None => Ok(()),
+        },
+    };
+    match &verdict {
+        Ok(()) => engine.frames.acked(),
+        Err(why) => {
+            tracing::warn!(attempt = source.delivered(), "{why}");
+            engine.frames.released();
         }
     }
-    if let Err(e) = delivery.ack().await {
-        tracing::warn!("ack failed (the frame will be redelivered, and skipped): {e}");
-    }
-    engine.frames.acked();
-}
-
-/// Hands a frame back to the stream, to be delivered again after [`REDELIVERY_DELAY`].
-async fn deliver_again(
-    engine: &Engine,
-    delivery: Delivery,
-    what: &str,
-    cause: &(dyn std::fmt::Display + Sync),
-) {
-    tracing::warn!(attempt = delivery.delivered, "{what}, will retry: {cause}");
-    let _ = delivery.nak(REDELIVERY_DELAY).await;
-    engine.frames.released();
+    source.settle(verdict, REDELIVERY_DELAY).await;
 }
 
 /// Events from this size on are logged (at DEBUG) with the time they took to read.
@@ -414,12 +406,9 @@ const REDELIVERY_DELAY: Duration = Duration::from_millis(500);
 const REFUSAL_ATTEMPTS: u64 = 10;
 
 /// Reads one delivery: its message id, and its event (through the blob store for a large
-/// body). `None` when it was settled here: an unreadable event is dropped, a body not
-/// readable yet is nak'ed.
-async fn read_event(
-    engine: &Engine,
-    delivery: Delivery,
-) -> Option<(Delivery, String, GatewayEvent)> {
+/// body), each frame of a `frames_many` as its own event. None when it was settled here: an
+/// unreadable event is dropped, a body not readable yet is nak'ed.
+async fn read_event(engine: &Engine, delivery: Delivery) -> Vec<ReadEvent> {
     let msg_id = delivery
         .message
         .headers
@@ -437,7 +426,7 @@ async fn read_event(
             // Not ours or not consistent: reading it again cannot help.
             tracing::error!(subject = %delivery.message.subject, "frame with a refused blob reference, dropped: {e}");
             let _ = delivery.ack().await;
-            return None;
+            return Vec::new();
         }
         Err(e) => {
             tracing::warn!(
@@ -445,7 +434,7 @@ async fn read_event(
                 "large frame not readable yet, will retry: {e}"
             );
             let _ = delivery.nak(Duration::from_secs(1)).await;
-            return None;
+            return Vec::new();
         }
     };
     let read = started.elapsed();
@@ -458,14 +447,46 @@ async fn read_event(
             "large frame read"
         );
     }
-    match event {
-        Ok(event) => Some((delivery, msg_id, event)),
+    let event = match event {
+        Ok(GatewayEvent::Frame(frame)) => Inbound::Frame(frame),
+        Ok(GatewayEvent::Closed(closed)) => Inbound::Ends(vec![closed]),
+        Ok(GatewayEvent::ClosedMany(many)) => Inbound::Ends(many.connections),
+        Ok(GatewayEvent::FramesMany(many)) if !many.frames.is_empty() => {
+            let spans: Vec<tracing::Span> = many
+                .frames
+                .iter()
+                .map(|f| engine.gathered_frame_span(&delivery.message, f.traceparent.as_deref()))
+                .collect();
+            let shared = std::sync::Arc::new(Shared::new(delivery, many.frames.len()));
+            return many
+                .frames
+                .into_iter()
+                .zip(spans)
+                .map(|(gathered, span)| ReadEvent {
+                    source: Source::Shared(shared.clone()),
+                    msg_id: gathered.msg_id,
+                    event: Inbound::Frame(gathered.inbound),
+                    span,
+                })
+                .collect();
+        }
+        Ok(GatewayEvent::FramesMany(_)) => {
+            tracing::error!(subject = %delivery.message.subject, "a frames_many event with no frame in the frames stream, dropped");
+            let _ = delivery.ack().await;
+            return Vec::new();
+        }
         Err(e) => {
             tracing::error!(subject = %delivery.message.subject, "unreadable event in the frames stream, dropped: {e}");
             let _ = delivery.ack().await;
-            None
+            return Vec::new();
         }
-    }
+    };
+    vec![ReadEvent {
+        span: engine.frame_span(&delivery.message),
+        source: Source::Alone(delivery),
+        msg_id,
+        event,
+    }]
 }
 
 /// Every second while leading: re-sends the outbox frames no gateway acknowledged within

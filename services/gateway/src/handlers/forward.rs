@@ -5,7 +5,7 @@
 //! this returns. If that fails the client is told at once, and a TASK also gets its
 //! `task_end` so that the requester's pending task ends.
 
-use proto_schemas::sessions::{GatewayEvent, InboundFrame};
+use proto_schemas::sessions::InboundFrame;
 use proto_schemas::{ClientMessage, ClientMessageType, ErrorCode, V1, server};
 use tracing::Instrument;
 
@@ -57,7 +57,7 @@ pub(crate) async fn handle(
     if let Some(id) = &session_id {
         aip_bus::trace::record_session(&span, id);
     }
-    let event = GatewayEvent::Frame(InboundFrame {
+    let inbound = InboundFrame {
         version: V1,
         gateway_id: client.state.gateway_id.clone(),
         connection_id: client.connection_id.clone(),
@@ -68,8 +68,8 @@ pub(crate) async fn handle(
         received_at: server::timestamp_now(),
         frame,
         delivery_batches: true,
-    });
-    let published = events::publish(&client.state, &identity.client_id, &event, msg_id);
+    };
+    let published = events::publish_frame(&client.state, &inbound, msg_id);
     let Err(e) = published.instrument(span).await else {
         return Ok(());
     };
