@@ -58,7 +58,7 @@ pub struct SessionSettings {
     pub planner_timeout_ms: u64,
     /// Timeout of requests to the registry.
     pub request_timeout_ms: u64,
-    /// Frames processed at once by this replica.
+    /// Frames-stream messages processed at once by this replica (a `frames_many` is one).
     pub max_in_flight: usize,
     /// Live (not ended) tasks the leader holds in memory at most; beyond it new tasks are
     /// refused with UNAVAILABLE until some end.

@@ -55,7 +55,7 @@ pub async fn ensure_frames_stream(
 /// `task` frames' registry lookups run concurrently, the ids they claim are checked in one
 /// query) and handed to the applier in stream order. Each frame is acked once the batch
 /// holding its change has committed, or nak'ed for redelivery when that batch failed. At most
-/// `max_in_flight` frames are unacked at once.
+/// `max_in_flight` stream messages are unacked at once (a `frames_many` is one message).
 pub async fn consume_frames(
     engine: Engine,
     max_in_flight: usize,
