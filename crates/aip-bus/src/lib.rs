@@ -97,6 +97,11 @@ pub trait Bus: Send + Sync + 'static {
     /// Largest payload the bus carries; bigger bodies must travel by reference.
     fn max_payload(&self) -> usize;
 
+    /// Whether a publish crosses to a server (NATS), rather than being handed over in this
+    /// process (the in-process bus). Gathering messages saves round trips and server work
+    /// only on the former; on the latter it adds a hand-over.
+    fn is_remote(&self) -> bool;
+
     /// Creates a durable stream, or keeps the existing one of that name.
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>>;
 

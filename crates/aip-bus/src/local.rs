@@ -302,6 +302,10 @@ impl Bus for LocalBus {
         self.inner.max_payload
     }
 
+    fn is_remote(&self) -> bool {
+        false
+    }
+
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
         let mut streams = write(&self.inner.streams);
         if let Some(existing) = streams.get(&spec.name)

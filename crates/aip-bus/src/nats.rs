@@ -288,6 +288,10 @@ impl Bus for NatsBus {
         self.client.server_info().max_payload
     }
 
+    fn is_remote(&self) -> bool {
+        true
+    }
+
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             let wrap = |operation, e| stream_error(operation, &spec.name, e);

@@ -204,9 +204,14 @@ type Stored = oneshot::Sender<Result<(), PublishError>>;
 /// gathered only while the frames the session service sends say that it reads them
 /// ([`names::READS`]); until the first such frame, and after one that does not say so, each
 /// frame is stored on its own.
+///
+/// On the in-process bus (`aip dev`) frames are never gathered: storing one there is an
+/// append in memory, and gathering would only add a hand-over to the storing task.
 pub struct Frames {
     queue: flume::Sender<(WaitingFrame, Stored)>,
     gathering: AtomicBool,
+    /// Whether the bus stores frames on a server ([`aip_bus::Bus::is_remote`]).
+    remote: bool,
 }
 
 impl Frames {
@@ -215,16 +220,19 @@ impl Frames {
     /// runtime.
     pub fn start(bus: SharedBus, blobs: BlobStore, subjects: Subjects) -> Self {
         let (queue, waiting) = flume::bounded(FRAMES_CAPACITY);
+        let remote = bus.is_remote();
         tokio::spawn(store_frames(bus, blobs, subjects, waiting));
         Frames {
             queue,
             gathering: AtomicBool::new(false),
+            remote,
         }
     }
 
     /// Records whether the session service that sent the latest frame reads gathered frames.
     pub fn sessions_read_gathered(&self, reads: bool) {
-        self.gathering.store(reads, Ordering::Relaxed);
+        self.gathering
+            .store(reads && self.remote, Ordering::Relaxed);
     }
 
     /// Whether frames may be gathered.

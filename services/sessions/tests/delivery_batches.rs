@@ -1,8 +1,8 @@
 //! Frames travel together both ways: those one group commit releases for clients of the same
-//! gateway reach it as one delivery batch, and those a gateway's clients send while one is on
-//! its way to the frames stream are stored as one `frames_many` event. Each client still
-//! receives exactly its own frames: many constellations on one gateway drive their devices at
-//! once, and every task ends completed with its own `task_end`.
+//! gateway reach it as one delivery batch, and (on NATS) those a gateway's clients send while
+//! one is on its way to the frames stream are stored as one `frames_many` event. Each client
+//! still receives exactly its own frames: many constellations on one gateway drive their
+//! devices at once, and every task ends completed with its own `task_end`.
 
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register, one_step,
@@ -71,16 +71,21 @@ async fn frames_of_one_group_travel_together(backend: Backend) {
         )
         .await;
         // The gateway runs in this process: its metrics are served with the session service's.
+        // On the in-process bus it stores every frame alone.
         let stored = metric(&sessions, "aip_gateway_frames_stored_total").await;
         let events = metric(&sessions, "aip_gateway_frame_events_total").await;
-        if (in_batches > 0.0 && stored > events) || rounds == 20 {
+        let gathered = match backend {
+            Backend::NatsPostgres => stored > events,
+            Backend::LocalSqlite => true,
+        };
+        if (in_batches > 0.0 && gathered) || rounds == 20 {
             let batches = metric(&sessions, "aip_sessions_delivery_batches_total").await;
             assert!(
                 in_batches >= 2.0 * batches && batches >= 1.0,
                 "after {rounds} rounds of {PAIRS} tasks at once: {in_batches} frames in {batches} batches"
             );
             assert!(
-                stored > events && events >= 1.0,
+                gathered && events >= 1.0,
                 "after {rounds} rounds of {PAIRS} tasks at once: {stored} frames stored in {events} stream messages"
             );
             break;
