@@ -488,9 +488,9 @@ mod tests {
         }
     }
 
-    /// A frames stream on an in-process bus, and the gathering queue storing into it.
-    async fn closings() -> (SharedBus, Subjects, Closings) {
-        let bus: SharedBus = Arc::new(LocalBus::new());
+    /// A frames stream on an in-process bus carrying messages of `max_payload` bytes.
+    async fn frames_stream(max_payload: usize) -> (SharedBus, Subjects, BlobStore) {
+        let bus: SharedBus = Arc::new(LocalBus::with_limits(1024, max_payload));
         let subjects = Subjects::new("t").expect("prefix");
         bus.ensure_stream(StreamSpec::new(
             subjects.frames_stream(),
@@ -498,11 +498,14 @@ mod tests {
         ))
         .await
         .expect("stream");
-        let closings = Closings::start(
-            bus.clone(),
-            BlobStore::for_subjects(&subjects),
-            subjects.clone(),
-        );
+        let blobs = BlobStore::for_subjects(&subjects);
+        (bus, subjects, blobs)
+    }
+
+    /// A frames stream, and the ends' gathering queue storing into it.
+    async fn closings() -> (SharedBus, Subjects, Closings) {
+        let (bus, subjects, blobs) = frames_stream(1 << 20).await;
+        let closings = Closings::start(bus.clone(), blobs, subjects.clone());
         (bus, subjects, closings)
     }
 
@@ -571,22 +574,11 @@ mod tests {
         }
     }
 
-    /// A frames stream on an in-process bus carrying messages of `max_payload` bytes, and the
-    /// frames' gathering queue storing into it.
+    /// A frames stream carrying messages of `max_payload` bytes, and the frames' gathering
+    /// queue storing into it.
     async fn frames(max_payload: usize) -> (SharedBus, Subjects, Frames) {
-        let bus: SharedBus = Arc::new(LocalBus::with_limits(1024, max_payload));
-        let subjects = Subjects::new("t").expect("prefix");
-        bus.ensure_stream(StreamSpec::new(
-            subjects.frames_stream(),
-            vec![subjects.frames_all()],
-        ))
-        .await
-        .expect("stream");
-        let frames = Frames::start(
-            bus.clone(),
-            BlobStore::for_subjects(&subjects),
-            subjects.clone(),
-        );
+        let (bus, subjects, blobs) = frames_stream(max_payload).await;
+        let frames = Frames::start(bus.clone(), blobs, subjects.clone());
         (bus, subjects, frames)
     }
 
