@@ -146,7 +146,12 @@ impl BlobStore {
 
     /// Whether `payload` must travel as a blob on `bus`.
     pub fn needed(bus: &dyn Bus, payload: &[u8]) -> bool {
-        payload.len() + HEADROOM > bus.max_payload()
+        Self::needed_for(bus, payload.len())
+    }
+
+    /// Whether a payload of `len` bytes must travel as a blob on `bus`.
+    pub fn needed_for(bus: &dyn Bus, len: usize) -> bool {
+        len + HEADROOM > bus.max_payload()
     }
 
     async fn store(

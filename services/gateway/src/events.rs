@@ -57,8 +57,10 @@ pub(crate) async fn publish_frame(
         &subject,
         None,
     );
-    let body = lone_frame(&encoded);
-    if !state.frames.gathering() || BlobStore::needed(state.bus.as_ref(), &body) {
+    // The frame's `frame` event is built only when it goes alone from here.
+    let lone_len = encoded.len() + LONE_FRAME_TAG.len();
+    if !state.frames.gathering() || BlobStore::needed_for(state.bus.as_ref(), lone_len) {
+        let body = lone_frame(&encoded);
         let stream = FramesStream {
             bus: &state.bus,
             blobs: &state.blobs,
@@ -79,13 +81,15 @@ pub(crate) async fn publish_frame(
     state.frames.store(frame).instrument(span).await
 }
 
+/// What [`lone_frame`] puts before a frame's fields.
+const LONE_FRAME_TAG: &[u8] = br#"{"event":"frame""#;
+
 /// The `frame` event around an encoded [`InboundFrame`] (an object): the event's tag first,
 /// then the frame's fields, as `GatewayEvent::Frame` encodes.
 fn lone_frame(encoded: &[u8]) -> bytes::Bytes {
-    const TAG: &[u8] = br#"{"event":"frame""#;
     let fields = encoded.strip_prefix(b"{").unwrap_or(encoded);
-    let mut body = Vec::with_capacity(TAG.len() + 1 + fields.len());
-    body.extend_from_slice(TAG);
+    let mut body = Vec::with_capacity(LONE_FRAME_TAG.len() + 1 + fields.len());
+    body.extend_from_slice(LONE_FRAME_TAG);
     if fields != b"}" {
         body.push(b',');
     }
@@ -179,7 +183,7 @@ const FRAMES_CAPACITY: usize = 4096;
 struct WaitingFrame {
     client_id: String,
     /// Its own message id (the stream's de-duplication when alone, the session service's in
-    /// an `frames_many` event).
+    /// a `frames_many` event).
     msg_id: String,
     /// The trace context of its publish span.
     traceparent: Option<String>,
