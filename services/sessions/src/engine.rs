@@ -37,6 +37,7 @@ use crate::callbacks::Callbacks;
 use crate::known::KnownIds;
 use crate::machine::{Answer, CommandStep, HandoffAsk, Machine, Refusal};
 pub use crate::machine::{NewTask, Placement, Plan, Prepared, Requester, TaskFrame};
+use crate::outbox::Acknowledged;
 use crate::planners::{PlanJob, Planned, Planners};
 use crate::routes::Routes;
 use crate::settings::SessionSettings;
@@ -262,6 +263,10 @@ pub struct Engine {
     /// REST requests waiting for tasks' next events, woken by the leader's commits.
     pub watch: crate::watch::EventWatch,
     published: Arc<std::sync::Mutex<Vec<String>>>,
+    /// The groups of outbox frames this term stored whose frames are not all acknowledged.
+    groups: Arc<std::sync::Mutex<crate::outbox::Groups>>,
+    /// Stale groups the sweeper split, written with the next group commit.
+    splits: Arc<std::sync::Mutex<Vec<crate::outbox::Split>>>,
     /// Outbox frames published and not acknowledged yet, with when they were published: the
     /// outbox sweeper leaves them alone until their acknowledgement is overdue. (A group
     /// holding a 90 MiB result takes seconds to write; its frames must not count as stale
@@ -317,6 +322,8 @@ impl Engine {
             frames: Arc::default(),
             watch,
             published: Arc::default(),
+            groups: Arc::default(),
+            splits: Arc::default(),
             unacknowledged: Arc::default(),
             acks_awaited: Arc::default(),
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
@@ -375,8 +382,8 @@ impl Engine {
         self.standby.load(Ordering::Acquire)
     }
 
-    /// Records outbox rows whose delivery gateways acknowledged (or that are dropped): they
-    /// are deleted with the next group.
+    /// Records outbox frames gateways acknowledged, and rows dropped: their rows are deleted
+    /// with the next group (a group's row once all its frames are acknowledged).
     pub(crate) fn mark_published(&self, ids: impl IntoIterator<Item = String>) {
         let mut ids: Vec<String> = ids.into_iter().collect();
         if let Ok(mut unacknowledged) = self.unacknowledged.lock()
@@ -397,9 +404,49 @@ impl Engine {
                 None => true,
             });
         }
+        if let Ok(mut groups) = self.groups.lock()
+            && !groups.is_empty()
+        {
+            ids = ids
+                .into_iter()
+                .filter_map(|id| match groups.acknowledged(&id) {
+                    Acknowledged::Row => Some(id),
+                    Acknowledged::InGroup => None,
+                    Acknowledged::GroupDone(key) => Some(key.to_string()),
+                })
+                .collect();
+        }
         if let Ok(mut list) = self.published.lock() {
             list.extend(ids);
         }
+    }
+
+    /// Outbox rows dropped after the retention: deleted with the next group, and groups among
+    /// them forgotten.
+    pub(crate) fn mark_dropped(&self, keys: Vec<String>) {
+        if let Ok(mut groups) = self.groups.lock() {
+            for key in &keys {
+                groups.forget(key);
+            }
+        }
+        if let Ok(mut list) = self.published.lock() {
+            list.extend(keys);
+        }
+    }
+
+    /// A stale group of outbox frames found by the sweeper: its frames not acknowledged yet,
+    /// which the next group commit writes again as rows of their own while it deletes the
+    /// group's row.
+    pub(crate) fn split_group(&self, key: &str, frames: Vec<OutFrame>) -> Vec<OutFrame> {
+        let Ok(mut groups) = self.groups.lock() else {
+            return Vec::new();
+        };
+        let split = groups.split(key, frames);
+        let unacknowledged = split.frames.clone();
+        if let Ok(mut splits) = self.splits.lock() {
+            splits.push(split);
+        }
+        unacknowledged
     }
 
     /// Publishes a frame for a client's connection outside the outbox (a callback frame) and
@@ -1539,6 +1586,10 @@ pub async fn run_applier(
             ));
         }
         on_lead(term.clone());
+        // What an earlier term stored is split when the sweeper finds it stale.
+        if let Ok(mut groups) = engine.groups.lock() {
+            groups.clear();
+        }
         let mut leader = Leader {
             engine: &engine,
             core,
@@ -1779,7 +1830,8 @@ impl Leader<'_> {
         }
     }
 
-    /// Outbox rows the sweeper published are deleted with the next group.
+    /// Outbox rows whose frames were acknowledged (or dropped) are deleted with the next
+    /// group, which also splits the stale groups the sweeper found.
     fn collect_published(&mut self) {
         let published = self
             .engine
@@ -1788,6 +1840,13 @@ impl Leader<'_> {
             .map(|mut l| std::mem::take(&mut *l))
             .unwrap_or_default();
         self.core.published(published);
+        let splits = self
+            .engine
+            .splits
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default();
+        self.core.split(splits);
     }
 
     /// Writes the open group in one transaction while applying the ops that arrive meanwhile
@@ -1838,22 +1897,34 @@ impl Leader<'_> {
             .record(started.elapsed().as_secs_f64());
         metrics::histogram!("aip_sessions_group_commit_changes")
             .record((pending.batch.tasks.len() + pending.batch.events.len()) as f64);
-        if let Err(e) = written {
-            if let Some(stored) = stored {
-                stored.abort();
+        let grouped = match written {
+            Ok(grouped) => grouped,
+            Err(e) => {
+                if let Some(stored) = stored {
+                    stored.abort();
+                }
+                metrics::counter!("aip_sessions_group_commit_failures_total").increment(1);
+                tracing::error!(
+                    "a batch of changes could not be written, giving up the leadership: {e}"
+                );
+                // The group applied meanwhile built on this one: it fails too.
+                let error = e.to_string();
+                for waiter in self.waiters.drain(..).chain(next_waiters) {
+                    waiter.fail(&error);
+                }
+                return Err(());
             }
-            metrics::counter!("aip_sessions_group_commit_failures_total").increment(1);
-            tracing::error!(
-                "a batch of changes could not be written, giving up the leadership: {e}"
-            );
-            // The group applied meanwhile built on this one: it fails too.
-            let error = e.to_string();
-            for waiter in self.waiters.drain(..).chain(next_waiters) {
-                waiter.fail(&error);
-            }
-            return Err(());
-        }
+        };
         self.core.committed(&pending);
+        if let Some(grouped) = grouped
+            && let Ok(mut groups) = self.engine.groups.lock()
+        {
+            let frames = &pending.batch.outbox;
+            groups.stored(
+                &grouped.key,
+                grouped.members.iter().map(|&i| frames[i].msg_id.clone()),
+            );
+        }
         self.engine
             .watch
             .committed(pending.batch.events.iter().map(|e| e.task_id.as_str()));

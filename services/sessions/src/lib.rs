@@ -21,6 +21,7 @@ pub mod engine;
 pub mod http;
 pub mod known;
 pub mod machine;
+pub mod outbox;
 pub mod planners;
 pub mod routes;
 pub mod settings;

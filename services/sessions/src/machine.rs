@@ -325,6 +325,15 @@ impl Machine {
         self.pending.batch.published.extend(msg_ids);
     }
 
+    /// Stale groups of outbox frames split in the next batch (each group once).
+    pub fn split(&mut self, splits: Vec<crate::outbox::Split>) {
+        for split in splits {
+            if !self.pending.batch.split.iter().any(|s| s.key == split.key) {
+                self.pending.batch.split.push(split);
+            }
+        }
+    }
+
     /// Forgets processed-frame ids older than `before` in the next batch.
     pub fn prune_processed(&mut self, before: i64) {
         self.pending.batch.prune_processed_before = Some(before);

@@ -20,6 +20,7 @@ use serde_json::Value;
 use sqlx::types::Json;
 
 use crate::apart;
+use crate::outbox::Grouped;
 use crate::task::{
     EventKind, ExecutorRef, Plan, PlannerKind, Question, Requester, RequesterKind, Task, TaskError,
     Waiting,
@@ -544,7 +545,7 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
                  payload_kind, created_ms) \
              SELECT msg_id, '', client_id, connection_id, payload, payload_kind, {now} \
              FROM UNNEST({outbox}) AS u(msg_id, client_id, connection_id, payload, payload_kind) \
-             WHERE {leading}), \
+             WHERE {leading} ON CONFLICT (msg_id) DO NOTHING), \
          deleted_outbox AS (\
              DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
          pruned AS (\
@@ -905,6 +906,8 @@ enum PayloadKind {
     Frame,
     /// A [`TaskEndOf`] as JSON: the frame is built from the task when it is sent again.
     TaskEndOf,
+    /// The small frames of a group commit ([`crate::outbox`]).
+    Frames,
 }
 
 impl PayloadKind {
@@ -912,6 +915,7 @@ impl PayloadKind {
         match self {
             PayloadKind::Frame => "frame",
             PayloadKind::TaskEndOf => "task_end_of",
+            PayloadKind::Frames => "frames",
         }
     }
 
@@ -919,6 +923,7 @@ impl PayloadKind {
         match kind {
             "frame" => Some(PayloadKind::Frame),
             "task_end_of" => Some(PayloadKind::TaskEndOf),
+            "frames" => Some(PayloadKind::Frames),
             _ => None,
         }
     }
@@ -935,6 +940,75 @@ fn stored_payload(frame: &OutFrame) -> (PayloadKind, std::borrow::Cow<'_, [u8]>)
         },
         _ => (PayloadKind::Frame, frame.payload.as_ref().into()),
     }
+}
+
+/// A row of `task_outbox` as written.
+struct OutboxEntry<'a> {
+    /// The frame's message id, or a group's key.
+    key: Cow<'a, str>,
+    /// `None` for a group (each of its frames names its client).
+    client_id: Option<&'a str>,
+    connection: Option<&'a str>,
+    payload: Cow<'a, [u8]>,
+    kind: PayloadKind,
+}
+
+impl<'a> OutboxEntry<'a> {
+    fn alone(frame: &'a OutFrame) -> Self {
+        let (kind, payload) = stored_payload(frame);
+        OutboxEntry {
+            key: frame.msg_id.as_str().into(),
+            client_id: Some(&frame.client_id),
+            connection: frame.connection.as_deref(),
+            payload,
+            kind,
+        }
+    }
+}
+
+/// The outbox rows a batch writes: its small frames in one row ([`crate::outbox::group`]),
+/// every other frame, and the unacknowledged frames of the groups split, in rows of their own.
+fn outbox_rows(batch: &Batch) -> Result<(Vec<OutboxEntry<'_>>, Option<Grouped>), StoreError> {
+    let group = crate::outbox::group(&batch.outbox).map_err(|source| StoreError::Encode {
+        task_id: String::new(),
+        source,
+    })?;
+    let mut rows = Vec::with_capacity(batch.outbox.len() + batch.split.len());
+    let mut grouped = None;
+    if let Some(group) = group {
+        rows.push(OutboxEntry {
+            key: group.grouped.key.clone().into(),
+            client_id: None,
+            connection: None,
+            payload: group.payload.into(),
+            kind: PayloadKind::Frames,
+        });
+        grouped = Some(group.grouped);
+    }
+    let mut members = grouped.iter().flat_map(|g| g.members.iter()).peekable();
+    for (i, frame) in batch.outbox.iter().enumerate() {
+        if members.next_if(|&&m| m == i).is_none() {
+            rows.push(OutboxEntry::alone(frame));
+        }
+    }
+    rows.extend(
+        batch
+            .split
+            .iter()
+            .flat_map(|split| &split.frames)
+            .map(OutboxEntry::alone),
+    );
+    Ok((rows, grouped))
+}
+
+/// The outbox rows a batch deletes: those acknowledged, and the groups split.
+fn outbox_deleted(batch: &Batch) -> Vec<&str> {
+    batch
+        .published
+        .iter()
+        .map(String::as_str)
+        .chain(batch.split.iter().map(|split| split.key.as_str()))
+        .collect()
 }
 
 /// A callback to deliver, written with the state change it tells of.
@@ -960,8 +1034,11 @@ pub struct Batch {
     pub processed: Vec<String>,
     /// Frames sent by these changes.
     pub outbox: Vec<OutFrame>,
-    /// Outbox rows of earlier batches that have been published since.
+    /// Outbox rows of earlier batches whose frames gateways acknowledged since (or that were
+    /// dropped).
     pub published: Vec<String>,
+    /// Stale groups of outbox frames, split.
+    pub split: Vec<crate::outbox::Split>,
     /// Forget processed-frame ids older than this (epoch ms).
     pub prune_processed_before: Option<i64>,
     /// Callbacks to deliver.
@@ -976,6 +1053,7 @@ impl Batch {
             && self.processed.is_empty()
             && self.outbox.is_empty()
             && self.published.is_empty()
+            && self.split.is_empty()
             && self.prune_processed_before.is_none()
             && self.callbacks.is_empty()
     }
@@ -1173,7 +1251,10 @@ pub struct Apart {
 /// `COMMIT`, run in one call (sqlx runs SQLite on a worker thread of its own, and every call
 /// is a hand-over to that thread and back: a group of 50 tasks was some 30 calls), and the
 /// text is one of a few kept prepared ([`LITE_GROUP_ROWS`]).
-async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Result<(), StoreError> {
+async fn write_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    batch: &Batch,
+) -> Result<Option<Grouped>, StoreError> {
     let rows = batch
         .tasks
         .iter()
@@ -1185,13 +1266,15 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         .map(|t| (t.task_id.as_str(), &**t))
         .collect();
     let now = now_ms();
+    let (outbox, grouped) = outbox_rows(batch)?;
+    let deleted = outbox_deleted(batch);
     let shape = LiteShape::of(
         [
             rows.len(),
             batch.events.len(),
             batch.processed.len(),
-            batch.outbox.len(),
-            batch.published.len(),
+            outbox.len(),
+            deleted.len(),
             batch.callbacks.len(),
         ]
         .into_iter()
@@ -1239,29 +1322,28 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         });
         q.push(" ON CONFLICT (msg_id) DO NOTHING; ");
     }
-    for slice in shape.slices(&batch.outbox) {
+    for slice in shape.slices(&outbox) {
         q.push(
             "INSERT INTO task_outbox (msg_id, subject, client_id, connection_id, payload, \
              payload_kind, created_ms) ",
         );
-        push_padded_rows(&mut q, shape, 7, slice, |b, f| {
-            let (kind, payload) = stored_payload(f);
-            b.push_bind(f.msg_id.clone())
+        push_padded_rows(&mut q, shape, 7, slice, |b, row| {
+            b.push_bind(row.key.clone().into_owned())
                 .push_bind("")
-                .push_bind(f.client_id.clone())
-                .push_bind(f.connection.clone())
-                .push_bind(payload.into_owned())
-                .push_bind(kind.as_str())
+                .push_bind(row.client_id.map(str::to_owned))
+                .push_bind(row.connection.map(str::to_owned))
+                .push_bind(row.payload.clone().into_owned())
+                .push_bind(row.kind.as_str())
                 .push_bind(now);
         });
-        q.push("; ");
+        q.push(" ON CONFLICT (msg_id) DO NOTHING; ");
     }
-    for slice in shape.slices(&batch.published) {
+    for slice in shape.slices(&deleted) {
         // NULLs in the list match no row.
         q.push("DELETE FROM task_outbox WHERE msg_id IN (");
         let mut list = q.separated(", ");
         for i in 0..shape.rows {
-            list.push_bind(slice.get(i).cloned());
+            list.push_bind(slice.get(i).map(|key| key.to_string()));
         }
         q.push("); ");
     }
@@ -1295,7 +1377,7 @@ async fn write_sqlite(conn: &mut sqlx::SqliteConnection, batch: &Batch) -> Resul
         }
         return Err(e.into());
     }
-    Ok(())
+    Ok(grouped)
 }
 
 /// Writes a batch on PostgreSQL in one statement ([`PG_WRITE_GROUP`]), which also renews the
@@ -1305,7 +1387,7 @@ async fn write_pg(
     term: &mut Term,
     apart: &mut Apart,
     batch: &Batch,
-) -> Result<(), StoreError> {
+) -> Result<Option<Grouped>, StoreError> {
     let encoding = std::time::Instant::now();
     let mut rows = Vec::with_capacity(batch.tasks.len());
     let mut bodies = Vec::new();
@@ -1383,8 +1465,7 @@ async fn write_pg(
             task_id: e.first().map(|e| e.task_id.clone()).unwrap_or_default(),
             source,
         })?;
-    let o = &batch.outbox;
-    let payloads: Vec<_> = o.iter().map(stored_payload).collect();
+    let (o, grouped) = outbox_rows(batch)?;
     let c = &batch.callbacks;
     let bytes = rows
         .iter()
@@ -1394,7 +1475,7 @@ async fn write_pg(
             _ => 8,
         })
         .chain(data.iter().map(|d| d.as_ref().map_or(0, String::len)))
-        .chain(payloads.iter().map(|(_, p)| p.len()))
+        .chain(o.iter().map(|row| row.payload.len()))
         .chain(c.iter().map(|c| c.payload.len()))
         .sum::<usize>();
     let renewed = q
@@ -1406,26 +1487,16 @@ async fn write_pg(
         .bind(data)
         .bind(&batch.processed)
         .bind(now_ms())
-        .bind(o.iter().map(|f| f.msg_id.as_str()).collect::<Vec<_>>())
-        .bind(o.iter().map(|f| f.client_id.as_str()).collect::<Vec<_>>())
+        .bind(o.iter().map(|row| row.key.as_ref()).collect::<Vec<&str>>())
+        .bind(o.iter().map(|row| row.client_id).collect::<Vec<_>>())
+        .bind(o.iter().map(|row| row.connection).collect::<Vec<_>>())
         .bind(
             o.iter()
-                .map(|f| f.connection.as_deref())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            payloads
-                .iter()
-                .map(|(_, p)| p.as_ref())
+                .map(|row| row.payload.as_ref())
                 .collect::<Vec<&[u8]>>(),
         )
-        .bind(
-            payloads
-                .iter()
-                .map(|(kind, _)| kind.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(&batch.published)
+        .bind(o.iter().map(|row| row.kind.as_str()).collect::<Vec<_>>())
+        .bind(outbox_deleted(batch))
         .bind(batch.prune_processed_before)
         .bind(c.iter().map(|c| c.callback_id.as_str()).collect::<Vec<_>>())
         .bind(c.iter().map(|c| c.task_id.as_str()).collect::<Vec<_>>())
@@ -1442,7 +1513,7 @@ async fn write_pg(
         // The connection's buffers grew to this statement's size and would keep it.
         sqlx::Connection::shrink_buffers(conn);
     }
-    Ok(())
+    Ok(grouped)
 }
 
 /// A group whose statement carries more than this leaves the leader's connection with its
@@ -1450,10 +1521,11 @@ async fn write_pg(
 const LARGE_GROUP_BYTES: usize = 1 << 20;
 
 impl Writer {
-    /// Writes a batch in one transaction: all of it, or (on error) none of it.
-    pub async fn write(&mut self, batch: &Batch) -> Result<(), StoreError> {
+    /// Writes a batch in one transaction: all of it, or (on error) none of it. Says which of
+    /// its outbox frames were stored together in one row.
+    pub async fn write(&mut self, batch: &Batch) -> Result<Option<Grouped>, StoreError> {
         if batch.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         match self {
             Writer::Pg { conn, term, apart } => write_pg(conn, term, apart, batch).await,
@@ -1770,7 +1842,8 @@ impl TaskStore {
         older_than: i64,
         except: &[String],
         limit: i64,
-    ) -> Result<Vec<OutFrame>, StoreError> {
+    ) -> Result<Vec<crate::outbox::Stored>, StoreError> {
+        use crate::outbox::Stored;
         let rows: Vec<OutboxRow> = self
             .db
             .query(&STALE_OUTBOX)
@@ -1786,6 +1859,15 @@ impl TaskStore {
                 column,
                 value,
             };
+            if PayloadKind::from_db(&kind) == Some(PayloadKind::Frames) {
+                let grouped = crate::outbox::frames_of(&payload)
+                    .map_err(|e| corrupt("task_outbox.payload", format!("{msg_id}: {e}")))?;
+                frames.push(Stored::Group {
+                    key: msg_id,
+                    frames: grouped,
+                });
+                continue;
+            }
             let Some(client_id) = client_id.or_else(|| client_of_subject(&subject)) else {
                 return Err(corrupt("task_outbox.subject", subject));
             };
@@ -1807,16 +1889,18 @@ impl TaskStore {
                         })?;
                     (bytes::Bytes::from(frame), Some(of))
                 }
-                None => return Err(corrupt("task_outbox.payload_kind", kind)),
+                Some(PayloadKind::Frames) | None => {
+                    return Err(corrupt("task_outbox.payload_kind", kind));
+                }
             };
-            frames.push(OutFrame {
+            frames.push(Stored::Alone(OutFrame {
                 msg_id,
                 client_id,
                 connection,
                 payload,
                 task_end_of,
                 trace: None,
-            });
+            }));
         }
         Ok(frames)
     }

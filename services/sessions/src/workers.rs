@@ -22,6 +22,7 @@ use crate::engine::{
     ConnectionEnd, Engine, EngineError, Failure, NewTask, Op, Placement, Plan, Requester, TaskFrame,
 };
 use crate::machine::{Answer, Answerer, Refusal};
+use crate::outbox::Stored;
 use crate::planners::Planners;
 use crate::settling::{Shared, Source};
 use crate::store::now_ms;
@@ -521,7 +522,7 @@ pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
             );
         }
         let dropped: std::collections::HashSet<String> = expired.iter().cloned().collect();
-        engine.mark_published(expired);
+        engine.mark_dropped(expired);
         let recent = engine.recently_published(OUTBOX_RESEND_AFTER);
         match engine
             .store
@@ -533,12 +534,31 @@ pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
             .await
         {
             Ok(rows) => {
-                let rows: Vec<_> = rows
-                    .into_iter()
-                    .filter(|r| !dropped.contains(&r.msg_id))
-                    .collect();
-                if !rows.is_empty() {
-                    engine.publish_frames(rows).await;
+                let recent: std::collections::HashSet<&str> =
+                    recent.iter().map(String::as_str).collect();
+                let mut frames = Vec::new();
+                for row in rows {
+                    match row {
+                        Stored::Alone(frame) if !dropped.contains(&frame.msg_id) => {
+                            frames.push(frame)
+                        }
+                        Stored::Alone(_) => {}
+                        Stored::Group { key, .. } if dropped.contains(&key) => {}
+                        Stored::Group {
+                            key,
+                            frames: grouped,
+                        } => {
+                            let unacknowledged = engine.split_group(&key, grouped);
+                            frames.extend(
+                                unacknowledged
+                                    .into_iter()
+                                    .filter(|f| !recent.contains(f.msg_id.as_str())),
+                            );
+                        }
+                    }
+                }
+                if !frames.is_empty() {
+                    engine.publish_frames(frames).await;
                 }
             }
             Err(e) => tracing::warn!("outbox sweep failed: {e}"),

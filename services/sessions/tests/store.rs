@@ -5,6 +5,7 @@
 //! what was written, with rows that match and rows that do not.
 
 use aip_sessions::machine::{Machine, NewTask, Placement, Plan, Prepared, Requester};
+use aip_sessions::outbox::{Split, Stored};
 use aip_sessions::settings::SessionSettings;
 use std::time::Duration;
 
@@ -62,6 +63,25 @@ async fn lead(store: &TaskStore) -> Writer {
         .await
         .expect("the database answers")
         .expect("nobody else leads")
+}
+
+/// The key of an outbox row: its frame's id, or its group's key.
+fn key(stored: &Stored) -> String {
+    match stored {
+        Stored::Alone(frame) => frame.msg_id.clone(),
+        Stored::Group { key, .. } => key.clone(),
+    }
+}
+
+/// Every frame of the outbox rows, in their order.
+fn frames_of(stored: &[Stored]) -> Vec<&OutFrame> {
+    stored
+        .iter()
+        .flat_map(|row| match row {
+            Stored::Alone(frame) => std::slice::from_ref(frame),
+            Stored::Group { frames, .. } => frames.as_slice(),
+        })
+        .collect()
 }
 
 async fn commit(machine: &mut Machine, writer: &mut Writer) -> Batch {
@@ -317,7 +337,7 @@ async fn every_store_function(backend: Backend) {
         .expect("stale outbox");
     assert!(!stale.is_empty(), "unpublished frames are found");
     // Frames published a moment ago (their acknowledgement may be on its way) are left out.
-    let just_published: Vec<String> = stale.iter().map(|f| f.msg_id.clone()).collect();
+    let just_published: Vec<String> = stale.iter().map(key).collect();
     assert!(
         store
             .stale_outbox(now_ms() + 60_000, &just_published, 100)
@@ -331,8 +351,8 @@ async fn every_store_function(backend: Backend) {
         .await
         .expect("stale outbox");
     assert_eq!(
-        but_first.iter().map(|f| &f.msg_id).collect::<Vec<_>>(),
-        vec![&just_published[0]],
+        but_first.iter().map(key).collect::<Vec<_>>(),
+        vec![just_published[0].clone()],
         "only the frames in the list are left out"
     );
     assert!(
@@ -343,7 +363,7 @@ async fn every_store_function(backend: Backend) {
             .is_empty(),
         "nothing is older than the epoch"
     );
-    let published: Vec<String> = stale.iter().map(|f: &OutFrame| f.msg_id.clone()).collect();
+    let published: Vec<String> = stale.iter().map(key).collect();
     machine.published(published);
     // Forget processed ids older than a minute from now: frame-1 goes.
     machine.prune_processed(now_ms() + 60_000);
@@ -647,11 +667,16 @@ async fn groups_of_every_size_are_written_whole(backend: Backend) {
         stored_events += task_events.len();
     }
     assert_eq!(stored_events, events, "every event once");
-    let frames = store
+    let stored = store
         .stale_outbox(now_ms() + 60_000, &[], 10_000)
         .await
         .expect("reads the outbox");
+    let frames = frames_of(&stored);
     assert_eq!(frames.len(), outbox, "every outgoing frame once");
+    let mut ids: Vec<&str> = frames.iter().map(|f| f.msg_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), outbox, "each with its own id");
     drop(writer);
     db.cleanup().await;
 }
@@ -733,6 +758,7 @@ async fn a_large_task_end_is_stored_once(backend: Backend) {
         .stale_outbox(now_ms() + 60_000, &[], 100)
         .await
         .expect("stale outbox");
+    let resent = frames_of(&resent);
     let frames: Vec<serde_json::Value> = resent
         .iter()
         .filter(|f| f.task_end_of.is_some())
@@ -803,6 +829,84 @@ async fn answer(
 }
 
 /// The one number a query (the same text on both databases) answers.
+/// The small frames of a group commit are stored in one row. A stale group is split: its
+/// frames not acknowledged are written again, each in a row of its own with its id and bytes,
+/// and the group's row is deleted, in one transaction.
+async fn a_group_of_frames_is_stored_in_one_row_and_split_when_stale(backend: Backend) {
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
+    for i in 1..=3 {
+        machine
+            .submit(
+                new_task(
+                    &format!("t{i}"),
+                    "n",
+                    Requester::Rest("ops".into()),
+                    &format!("d{i}"),
+                    scripted(1),
+                ),
+                None,
+            )
+            .expect("starts");
+    }
+    let sent = commit(&mut machine, &mut writer).await.outbox;
+    assert_eq!(sent.len(), 3, "a command for each device");
+    assert_eq!(
+        number(&database, "SELECT COUNT(*) FROM task_outbox").await,
+        1,
+        "one row"
+    );
+
+    let stored = store
+        .stale_outbox(now_ms() + 60_000, &[], 100)
+        .await
+        .expect("stale outbox");
+    let [Stored::Group { key, frames }] = stored.as_slice() else {
+        panic!("one group: {stored:?}");
+    };
+    assert_eq!(key, &format!("{}:frames", sent[0].msg_id));
+    assert_eq!(frames.len(), 3);
+    for (read, written) in frames.iter().zip(&sent) {
+        assert_eq!(read.msg_id, written.msg_id);
+        assert_eq!(read.client_id, written.client_id);
+        assert_eq!(read.connection, written.connection);
+        assert_eq!(read.payload, written.payload, "byte for byte");
+    }
+
+    // The first frame was acknowledged; the other two are not.
+    machine.split(vec![Split {
+        key: key.clone(),
+        frames: frames[1..].to_vec(),
+    }]);
+    commit(&mut machine, &mut writer).await;
+    let stored = store
+        .stale_outbox(now_ms() + 60_000, &[], 100)
+        .await
+        .expect("stale outbox");
+    let alone: Vec<&OutFrame> = stored
+        .iter()
+        .map(|row| match row {
+            Stored::Alone(frame) => frame,
+            Stored::Group { key, .. } => panic!("the group {key} is still there"),
+        })
+        .collect();
+    let ids: Vec<&str> = alone.iter().map(|f| f.msg_id.as_str()).collect();
+    assert_eq!(ids, [sent[1].msg_id.as_str(), sent[2].msg_id.as_str()]);
+    for (read, written) in alone.iter().zip(&sent[1..]) {
+        assert_eq!(read.payload, written.payload, "byte for byte");
+        assert_eq!(read.connection, written.connection);
+    }
+
+    // Acknowledged, they go too.
+    machine.published(ids.iter().map(|id| id.to_string()));
+    commit(&mut machine, &mut writer).await;
+    assert_eq!(
+        number(&database, "SELECT COUNT(*) FROM task_outbox").await,
+        0
+    );
+    db.cleanup().await;
+}
+both_backends!(a_group_of_frames_is_stored_in_one_row_and_split_when_stale);
+
 /// An outbox row written before rows named their client (it names the per-client subject it
 /// was to be published on) is sent again to that client; a new row names its client.
 async fn outbox_rows_from_before_the_client_column_are_sent_to_their_client(backend: Backend) {
@@ -830,6 +934,7 @@ async fn outbox_rows_from_before_the_client_column_are_sent_to_their_client(back
         .stale_outbox(now_ms() + 60_000, &[], 100)
         .await
         .expect("stale outbox");
+    let resent = frames_of(&resent);
     let legacy = resent
         .iter()
         .find(|f| f.msg_id == "legacy-1")
