@@ -41,7 +41,7 @@ use crate::outbox::Acknowledged;
 use crate::planners::{PlanJob, Planned, Planners};
 use crate::routes::Routes;
 use crate::settings::SessionSettings;
-use crate::store::{LeaseSpec, OutFrame, StoreError, TaskStore, Writer};
+use crate::store::{LeaseSpec, OutFrame, ProcessedHalf, StoreError, TaskStore, Writer};
 use crate::targets::TargetCache;
 use crate::task::{Task, now_ms};
 
@@ -1596,7 +1596,6 @@ pub async fn run_applier(
             writer,
             waiters: Vec::new(),
             next_tick: tokio::time::Instant::now() + TICK,
-            ticks: 0,
         };
         let ended = leader.run(&mut ops, &stop, &outputs).await;
         if matches!(ended, TermEnd::Stopped) {
@@ -1680,12 +1679,6 @@ const OP_QUEUE_FACTOR: usize = 2;
 /// Deadlines and lost planner requests are looked at this often, also under a load that never
 /// lets the applier wait.
 const TICK: Duration = Duration::from_millis(500);
-/// Every this many ticks (a minute), processed-frame ids older than [`PROCESSED_RETENTION_MS`]
-/// are forgotten.
-const PRUNE_EVERY_TICKS: u64 = 120;
-/// How long a frame's id is remembered: far longer than JetStream redelivers a frame (its
-/// ack wait is 30 s), so a redelivery is always recognised.
-const PROCESSED_RETENTION_MS: i64 = 600_000;
 /// A standby asks for the leadership at most this often, whatever the setting says.
 const MIN_STANDBY_RETRY_MS: u64 = 10;
 /// Floor of `max_in_flight` when sizing queues, so that a tiny setting still lets a group form.
@@ -1740,7 +1733,6 @@ struct Leader<'e> {
     writer: Writer,
     waiters: Vec<Waiter>,
     next_tick: tokio::time::Instant,
-    ticks: u64,
 }
 
 impl Leader<'_> {
@@ -1805,19 +1797,17 @@ impl Leader<'_> {
         }
     }
 
-    /// Deadlines, lost planner requests and the pruning of old frame ids, when a tick is due.
+    /// Deadlines, lost planner requests and the turn of the processed ids' period
+    /// ([`ProcessedHalf`]), when a tick is due.
     fn on_tick(&mut self) {
         if tokio::time::Instant::now() < self.next_tick {
             return;
         }
         self.next_tick = tokio::time::Instant::now() + TICK;
-        self.ticks += 1;
         let now = now_ms();
         self.core.expire_due(now);
         self.core.replan_stalled(now);
-        if self.ticks.is_multiple_of(PRUNE_EVERY_TICKS) {
-            self.core.prune_processed(now - PROCESSED_RETENTION_MS);
-        }
+        self.core.processed_into(ProcessedHalf::at(now));
     }
 
     /// Applies the ops already waiting, up to the group's size limit.

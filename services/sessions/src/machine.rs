@@ -30,7 +30,7 @@ use serde_json::{Value, json};
 
 use crate::planners::{PlanJob, Planned, PlannerError};
 use crate::settings::SessionSettings;
-use crate::store::{Batch, EventData, NewEvent, OutFrame, TaskEndOf};
+use crate::store::{Batch, EventData, NewEvent, OutFrame, ProcessedHalf, TaskEndOf};
 use crate::task::{
     Asker, EventKind, ExecutorRef, InvalidTransition, Question, Task, TaskError, Waiting, now_ms,
 };
@@ -241,6 +241,8 @@ pub struct Machine {
     /// Remote planning asked for: task → when.
     planning: HashMap<String, i64>,
     pending: Pending,
+    /// Where processed-frame ids go now.
+    processed_into: ProcessedHalf,
     dirty: Vec<String>,
     dirty_set: HashSet<String>,
 }
@@ -258,6 +260,7 @@ impl Machine {
             closed_connections: RecentIds::new(CLOSED_CONNECTIONS_KEPT),
             planning: HashMap::new(),
             pending: Pending::default(),
+            processed_into: ProcessedHalf::at(now_ms()),
             dirty: Vec::new(),
             dirty_set: HashSet::new(),
         };
@@ -298,6 +301,7 @@ impl Machine {
     /// Closes the open batch: what to write, and what to do once written.
     pub fn take(&mut self) -> Pending {
         let mut pending = std::mem::take(&mut self.pending);
+        pending.batch.processed_into = self.processed_into;
         self.dirty_set.clear();
         for id in self.dirty.drain(..) {
             if let Some(task) = self.tasks.get(&id) {
@@ -334,9 +338,13 @@ impl Machine {
         }
     }
 
-    /// Forgets processed-frame ids older than `before` in the next batch.
-    pub fn prune_processed(&mut self, before: i64) {
-        self.pending.batch.prune_processed_before = Some(before);
+    /// The processed-frame ids of the next batches go to `half`; when that is not where
+    /// they went so far, the next batch empties it first (a new period began).
+    pub fn processed_into(&mut self, half: ProcessedHalf) {
+        if self.processed_into != half {
+            self.processed_into = half;
+            self.pending.batch.clear_processed = true;
+        }
     }
 
     fn index(&mut self, task: &Task) {

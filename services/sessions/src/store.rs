@@ -505,6 +505,7 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
     ]
     .join(", ");
     let processed = param("text[]");
+    let processed_b = param("text[]");
     let now = param("int8");
     let outbox = [
         param("text[]"),
@@ -515,7 +516,6 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
     ]
     .join(", ");
     let published = param("text[]");
-    let prune_before = param("int8");
     let callbacks = [
         param("text[]"),
         param("text[]"),
@@ -540,6 +540,10 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
              INSERT INTO processed_messages (msg_id, at_ms) \
              SELECT id, {now} FROM UNNEST({processed}) AS u(id) WHERE {leading} \
              ON CONFLICT (msg_id) DO NOTHING), \
+         written_processed_b AS (\
+             INSERT INTO processed_messages_b (msg_id, at_ms) \
+             SELECT id, {now} FROM UNNEST({processed_b}) AS u(id) WHERE {leading} \
+             ON CONFLICT (msg_id) DO NOTHING), \
          written_outbox AS (\
              INSERT INTO task_outbox (msg_id, subject, client_id, connection_id, payload, \
                  payload_kind, created_ms) \
@@ -548,8 +552,6 @@ static PG_WRITE_GROUP: LazyLock<String> = LazyLock::new(|| {
              WHERE {leading} ON CONFLICT (msg_id) DO NOTHING), \
          deleted_outbox AS (\
              DELETE FROM task_outbox WHERE msg_id = ANY({published}) AND {leading}), \
-         pruned AS (\
-             DELETE FROM processed_messages WHERE at_ms < {prune_before} AND {leading}), \
          written_callbacks AS (\
              INSERT INTO task_callbacks (callback_id, task_id, target, payload, state, \
                  next_attempt_ms, created_ms, updated_ms) \
@@ -605,7 +607,10 @@ static TASK_OWNER: Sql = Sql::same("SELECT requester_id FROM tasks WHERE task_id
 static TASK_IDS_FROM: Sql =
     Sql::same("SELECT task_id FROM tasks WHERE task_id >= $1 ORDER BY task_id LIMIT $2");
 /// Reads the id back, a text on both databases (`SELECT 1` is INT4 on PostgreSQL).
-static PROCESSED: Sql = Sql::same("SELECT msg_id FROM processed_messages WHERE msg_id = $1");
+static PROCESSED: Sql = Sql::same(
+    "SELECT msg_id FROM processed_messages WHERE msg_id = $1 \
+     UNION ALL SELECT msg_id FROM processed_messages_b WHERE msg_id = $1",
+);
 /// Outbox rows committed before `$1`, oldest first, but those in the list `$3` (frames this
 /// replica published a moment ago whose acknowledgement may be on its way).
 static STALE_OUTBOX: LazyLock<Sql> = LazyLock::new(|| {
@@ -1011,6 +1016,48 @@ fn outbox_deleted(batch: &Batch) -> Vec<&str> {
         .collect()
 }
 
+/// Which of the two tables of processed-frame ids a group writes to. Ids are remembered so
+/// that a frame JetStream delivers again (its ack wait is 30 s) is recognised; ten minutes is
+/// far more than enough. Each table holds the ids of alternate ten-minute periods
+/// ([`PROCESSED_PERIOD_MS`]): the leader writes to the current period's table and empties it
+/// when its period begins, so the ids it drops are at least one period old and forgetting
+/// them is one TRUNCATE, not a DELETE of hundreds of thousands of rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ProcessedHalf {
+    #[default]
+    A,
+    B,
+}
+
+/// How long each half of the processed ids is written to ([`ProcessedHalf`]).
+pub const PROCESSED_PERIOD_MS: i64 = 600_000;
+
+impl ProcessedHalf {
+    /// The half of the period holding `now_ms`.
+    pub fn at(now_ms: i64) -> Self {
+        match now_ms.div_euclid(PROCESSED_PERIOD_MS).rem_euclid(2) {
+            0 => ProcessedHalf::A,
+            _ => ProcessedHalf::B,
+        }
+    }
+
+    fn table(self) -> &'static str {
+        match self {
+            ProcessedHalf::A => "processed_messages",
+            ProcessedHalf::B => "processed_messages_b",
+        }
+    }
+}
+
+/// The ids a batch writes to `half`: all of them or none.
+fn processed_ids(batch: &Batch, half: ProcessedHalf) -> &[String] {
+    if batch.processed_into == half {
+        &batch.processed
+    } else {
+        &[]
+    }
+}
+
 /// A callback to deliver, written with the state change it tells of.
 #[derive(Debug, Clone)]
 pub struct NewCallback {
@@ -1039,8 +1086,10 @@ pub struct Batch {
     pub published: Vec<String>,
     /// Stale groups of outbox frames, split.
     pub split: Vec<crate::outbox::Split>,
-    /// Forget processed-frame ids older than this (epoch ms).
-    pub prune_processed_before: Option<i64>,
+    /// The table the processed ids go to.
+    pub processed_into: ProcessedHalf,
+    /// Empty that table first: a new period began ([`ProcessedHalf`]).
+    pub clear_processed: bool,
     /// Callbacks to deliver.
     pub callbacks: Vec<NewCallback>,
 }
@@ -1054,7 +1103,7 @@ impl Batch {
             && self.outbox.is_empty()
             && self.published.is_empty()
             && self.split.is_empty()
-            && self.prune_processed_before.is_none()
+            && !self.clear_processed
             && self.callbacks.is_empty()
     }
 }
@@ -1315,8 +1364,12 @@ async fn write_sqlite(
         });
         q.push("; ");
     }
+    let processed_table = batch.processed_into.table();
+    if batch.clear_processed {
+        q.push(format!("DELETE FROM {processed_table}; "));
+    }
     for slice in shape.slices(&batch.processed) {
-        q.push("INSERT INTO processed_messages (msg_id, at_ms) ");
+        q.push(format!("INSERT INTO {processed_table} (msg_id, at_ms) "));
         push_padded_rows(&mut q, shape, 2, slice, |b, id| {
             b.push_bind(id.clone()).push_bind(now);
         });
@@ -1347,10 +1400,6 @@ async fn write_sqlite(
         }
         q.push("); ");
     }
-    // A NULL bound deletes nothing.
-    q.push("DELETE FROM processed_messages WHERE at_ms < ");
-    q.push_bind(batch.prune_processed_before);
-    q.push("; ");
     for slice in shape.slices(&batch.callbacks) {
         q.push(
             "INSERT INTO task_callbacks (callback_id, task_id, target, payload, state, \
@@ -1478,14 +1527,15 @@ async fn write_pg(
         .chain(o.iter().map(|row| row.payload.len()))
         .chain(c.iter().map(|c| c.payload.len()))
         .sum::<usize>();
-    let renewed = q
+    let statement = q
         .bind(e.iter().map(|e| e.task_id.as_str()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.seq).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.at_ms).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>())
         .bind(e.iter().map(|e| e.state.as_str()).collect::<Vec<_>>())
         .bind(data)
-        .bind(&batch.processed)
+        .bind(processed_ids(batch, ProcessedHalf::A))
+        .bind(processed_ids(batch, ProcessedHalf::B))
         .bind(now_ms())
         .bind(o.iter().map(|row| row.key.as_ref()).collect::<Vec<&str>>())
         .bind(o.iter().map(|row| row.client_id).collect::<Vec<_>>())
@@ -1497,13 +1547,15 @@ async fn write_pg(
         )
         .bind(o.iter().map(|row| row.kind.as_str()).collect::<Vec<_>>())
         .bind(outbox_deleted(batch))
-        .bind(batch.prune_processed_before)
         .bind(c.iter().map(|c| c.callback_id.as_str()).collect::<Vec<_>>())
         .bind(c.iter().map(|c| c.task_id.as_str()).collect::<Vec<_>>())
         .bind(c.iter().map(|c| c.target.as_str()).collect::<Vec<_>>())
-        .bind(c.iter().map(|c| c.payload.as_str()).collect::<Vec<_>>())
-        .fetch_one(&mut *conn)
-        .await?;
+        .bind(c.iter().map(|c| c.payload.as_str()).collect::<Vec<_>>());
+    let renewed = if batch.clear_processed {
+        write_clearing_processed(conn, batch.processed_into, statement).await?
+    } else {
+        statement.fetch_one(&mut *conn).await?
+    };
     if renewed != 1 {
         return Err(term.lost());
     }
@@ -1514,6 +1566,34 @@ async fn write_pg(
         sqlx::Connection::shrink_buffers(conn);
     }
     Ok(grouped)
+}
+
+/// Runs a group's statement after emptying the table of processed ids `half`, in one
+/// transaction: TRUNCATE cannot be part of the statement, and the statement's lease check
+/// fences both (a replica whose term is over empties nothing). Returns what the statement
+/// returns.
+async fn write_clearing_processed(
+    conn: &mut sqlx::PgConnection,
+    half: ProcessedHalf,
+    statement: sqlx::query::QueryScalar<'_, sqlx::Postgres, i64, sqlx::postgres::PgArguments>,
+) -> Result<i64, StoreError> {
+    let truncate = match half {
+        ProcessedHalf::A => "TRUNCATE processed_messages",
+        ProcessedHalf::B => "TRUNCATE processed_messages_b",
+    };
+    sqlx::query("BEGIN").execute(&mut *conn).await?;
+    let written = match sqlx::query(truncate).execute(&mut *conn).await {
+        Ok(_) => statement.fetch_one(&mut *conn).await,
+        Err(e) => Err(e),
+    };
+    let end = match written {
+        Ok(1) => "COMMIT",
+        Ok(_) | Err(_) => "ROLLBACK",
+    };
+    let ended = sqlx::query(end).execute(&mut *conn).await;
+    let renewed = written?;
+    ended?;
+    Ok(renewed)
 }
 
 /// A group whose statement carries more than this leaves the leader's connection with its
@@ -2204,7 +2284,7 @@ mod tests {
         // The lease's four parameters, then the tasks' 36 columns, then the other tables',
         // then the callbacks' four.
         assert!(upsert.contains("$5::text[]") && upsert.contains("$40::bool[]"));
-        assert!(upsert.contains("$55::int8") && upsert.contains("$59::text[]"));
+        assert!(upsert.contains("$49::int8") && upsert.contains("$59::text[]"));
         assert!(!upsert.contains("$60"));
         assert!(upsert.contains("steps::json,"));
         assert!(upsert.contains("state = excluded.state"));

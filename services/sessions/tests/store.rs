@@ -7,6 +7,7 @@
 use aip_sessions::machine::{Machine, NewTask, Placement, Plan, Prepared, Requester};
 use aip_sessions::outbox::{Split, Stored};
 use aip_sessions::settings::SessionSettings;
+use aip_sessions::store::ProcessedHalf;
 use std::time::Duration;
 
 use aip_sessions::store::{
@@ -365,27 +366,49 @@ async fn every_store_function(backend: Backend) {
     );
     let published: Vec<String> = stale.iter().map(key).collect();
     machine.published(published);
-    // Forget processed ids older than a minute from now: frame-1 goes.
-    machine.prune_processed(now_ms() + 60_000);
+    // A new period: ids go to the other half; those of the first stay until its turn comes
+    // round again, and then they are forgotten.
+    let first = ProcessedHalf::at(now_ms());
+    let other = match first {
+        ProcessedHalf::A => ProcessedHalf::B,
+        ProcessedHalf::B => ProcessedHalf::A,
+    };
+    machine.processed_into(other);
+    machine
+        .submit(
+            new_task("t9", "n", galaxy(), "d9", scripted(1)),
+            Some("frame-9"),
+        )
+        .expect("t9 starts");
     commit(&mut machine, &mut writer).await;
     assert!(
         store
             .stale_outbox(now_ms() + 60_000, &[], 100)
             .await
             .expect("stale outbox")
-            .is_empty(),
-        "published rows leave the outbox"
+            .iter()
+            .all(|row| key(row).ends_with(":frames")),
+        "published rows leave the outbox (t9's frames are new)"
     );
+    for id in ["frame-1", "frame-9"] {
+        assert!(
+            store.processed(id).await.expect("processed"),
+            "{id} is known"
+        );
+    }
+    machine.processed_into(first);
+    commit(&mut machine, &mut writer).await;
     assert!(
         !store.processed("frame-1").await.expect("processed"),
-        "pruned ids are forgotten"
+        "ids of two periods ago are forgotten"
     );
+    assert!(store.processed("frame-9").await.expect("processed"));
 
     // A new leader takes over the live tasks only, as they were.
     let live = writer.load_live().await.expect("live");
     let mut live_ids: Vec<&str> = live.iter().map(|t| t.task_id.as_str()).collect();
     live_ids.sort();
-    assert_eq!(live_ids, ["t2", "t3"]);
+    assert_eq!(live_ids, ["t2", "t3", "t9"]);
 
     drop(writer);
     database.close().await;
