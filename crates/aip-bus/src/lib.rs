@@ -154,6 +154,16 @@ pub trait Bus: Send + Sync + 'static {
         stream: String,
         consumer: String,
     ) -> BoxFuture<'_, Result<u64, BusError>>;
+
+    /// Removes from a stream the messages the named consumer has acknowledged, all up to its
+    /// ack floor: a stream that keeps what was consumed (JetStream's `limits` retention)
+    /// would otherwise fill to its size cap and then refuse every new message. Answers how
+    /// many were removed (no such consumer: 0).
+    fn trim_acknowledged(
+        &self,
+        stream: String,
+        consumer: String,
+    ) -> BoxFuture<'_, Result<u64, BusError>>;
 }
 
 /// Answers a request message (publishes to its reply subject). A message without a reply

@@ -480,6 +480,35 @@ impl Bus for NatsBus {
         .boxed()
     }
 
+    fn trim_acknowledged(
+        &self,
+        stream: String,
+        consumer: String,
+    ) -> BoxFuture<'_, Result<u64, BusError>> {
+        async move {
+            let wrap = |operation, e| stream_error(operation, &stream, e);
+            let handle = self.stream(&stream).await?;
+            let info = match handle.consumer_info(&consumer).await {
+                Ok(info) => info,
+                Err(e) if e.to_string().contains("not found") => return Ok(0),
+                Err(e) => return Err(wrap("read consumer", Box::new(e))),
+            };
+            // Everything up to the ack floor is acknowledged; a purge by sequence removes the
+            // messages before the one given.
+            let floor = info.ack_floor.stream_sequence;
+            if floor == 0 {
+                return Ok(0);
+            }
+            let purged = handle
+                .purge()
+                .sequence(floor + 1)
+                .await
+                .map_err(|e| wrap("purge acknowledged messages", Box::new(e)))?;
+            Ok(purged.purged)
+        }
+        .boxed()
+    }
+
     fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             match self.jetstream.delete_stream(&name).await {

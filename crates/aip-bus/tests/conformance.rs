@@ -393,3 +393,93 @@ async fn nats_releases_the_messages_a_dead_consumer_held() {
     );
     bus.delete_stream(stream).await.expect("delete stream");
 }
+
+/// A stream that keeps what was consumed would fill to its cap and then refuse every new
+/// message; `trim_acknowledged` removes what the consumer acknowledged, up to its ack floor,
+/// and leaves a message it holds unacknowledged (and everything after it) in place.
+#[tokio::test]
+async fn nats_trims_what_the_consumer_acknowledged() {
+    use aip_bus::{StreamSpec, stream_name};
+    let bus = nats().await;
+    let p = prefix();
+    let stream = stream_name(&p, "frames");
+    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
+    spec.max_age = Duration::from_secs(60);
+    bus.ensure_stream(spec).await.expect("create stream");
+    assert_eq!(
+        bus.trim_acknowledged(stream.clone(), "sessions".into())
+            .await
+            .expect("no consumer yet"),
+        0
+    );
+    for id in ["m1", "m2", "m3", "m4", "m5"] {
+        bus.publish_durable(
+            format!("{p}.frames.a"),
+            Headers::new().with(names::MSG_ID, id),
+            id.into(),
+        )
+        .await
+        .expect("stored");
+    }
+    let mut consumer = bus
+        .consume(stream.clone(), "sessions".into(), 16)
+        .await
+        .expect("consume");
+    for _ in 0..3 {
+        next_delivery(&mut consumer).await.ack().await.expect("ack");
+    }
+    let held = next_delivery(&mut consumer).await;
+    let fifth = next_delivery(&mut consumer).await;
+    fifth.ack().await.expect("ack");
+
+    // The acks reach the server a moment after they are sent.
+    let trimmed = |expected: u64, what: &'static str| {
+        let bus = bus.clone();
+        let stream = stream.clone();
+        async move {
+            let mut removed = 0;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+            while removed < expected && tokio::time::Instant::now() < deadline {
+                removed += bus
+                    .trim_acknowledged(stream.clone(), "sessions".into())
+                    .await
+                    .expect("trimmed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(removed, expected, "{what}");
+        }
+    };
+    trimmed(3, "the three before the held one").await;
+    assert_eq!(
+        stored(&stream).await,
+        2,
+        "the held one and the one after it stay"
+    );
+
+    held.ack().await.expect("ack");
+    trimmed(2, "the rest, once acknowledged").await;
+    assert_eq!(stored(&stream).await, 0);
+    bus.delete_stream(stream).await.expect("delete stream");
+}
+
+/// How many messages a stream holds, as the NATS server reports it.
+async fn stored(stream: &str) -> u64 {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let client = async_nats::connect(url).await.expect("NATS");
+    let mut handle = async_nats::jetstream::new(client)
+        .get_stream(stream)
+        .await
+        .expect("the stream");
+    handle.info().await.expect("stream info").state.messages
+}
+
+#[tokio::test]
+async fn the_local_bus_has_nothing_to_trim() {
+    let bus = local();
+    assert_eq!(
+        bus.trim_acknowledged("any".into(), "sessions".into())
+            .await
+            .expect("nothing to do"),
+        0
+    );
+}

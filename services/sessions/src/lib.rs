@@ -117,6 +117,10 @@ impl Application {
                 leader_engine.clone(),
                 term.clone(),
             ));
+            tokio::spawn(workers::run_frames_trimmer(
+                leader_engine.clone(),
+                term.clone(),
+            ));
             tokio::spawn(callbacks::run_callbacks(
                 leader_engine.clone(),
                 term.clone(),

@@ -566,6 +566,35 @@ pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
     }
 }
 
+/// Every second while leading: removes the frames the session service has acknowledged from
+/// the frames stream. The stream keeps what was consumed (JetStream's `limits` retention, as
+/// every deployment's stream was made), so without this it filled to `nats_frames_max_bytes`
+/// within hours of steady traffic (minutes at a few thousand tasks per second) and then
+/// refused every client frame until the oldest aged out a day later.
+pub async fn run_frames_trimmer(engine: Engine, stop: CancellationToken) {
+    let stream = engine.subjects().frames_stream();
+    let consumer = engine.subjects().sessions_consumer();
+    let mut tick = tokio::time::interval(FRAMES_TRIM_EVERY);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.cancelled() => return,
+        }
+        match engine
+            .bus()
+            .trim_acknowledged(stream.clone(), consumer.clone())
+            .await
+        {
+            Ok(0) => {}
+            Ok(removed) => tracing::debug!(removed, "acknowledged frames removed from the stream"),
+            Err(e) => tracing::warn!("acknowledged frames not removed from the stream: {e}"),
+        }
+    }
+}
+
+/// How often acknowledged frames leave the frames stream.
+const FRAMES_TRIM_EVERY: Duration = Duration::from_secs(1);
+
 /// How often the outbox is swept.
 const OUTBOX_SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// A frame not acknowledged this long after it was committed, and after it was published,
