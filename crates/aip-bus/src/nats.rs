@@ -168,6 +168,21 @@ impl NatsBus {
             .map_err(|e| stream_error("get stream", stream, Box::new(e)))
     }
 
+    /// A stream and what its named consumer reports, or `None` when there is no such
+    /// consumer.
+    async fn consumer_of(
+        &self,
+        stream: &str,
+        consumer: &str,
+    ) -> Result<Option<(jetstream::stream::Stream, jetstream::consumer::Info)>, BusError> {
+        let handle = self.stream(stream).await?;
+        match handle.consumer_info(consumer).await {
+            Ok(info) => Ok(Some((handle, info))),
+            Err(e) if e.to_string().contains("not found") => Ok(None),
+            Err(e) => Err(stream_error("read consumer", stream, Box::new(e))),
+        }
+    }
+
     /// Refuses a payload the server would not take (its `max_payload`), with the sizes.
     fn check_size(&self, payload: &Bytes) -> Result<(), BusError> {
         let limit = self.client.server_info().max_payload;
@@ -450,11 +465,8 @@ impl Bus for NatsBus {
     ) -> BoxFuture<'_, Result<u64, BusError>> {
         async move {
             let wrap = |operation, e| stream_error(operation, &stream, e);
-            let handle = self.stream(&stream).await?;
-            let info = match handle.consumer_info(&consumer).await {
-                Ok(info) => info,
-                Err(e) if e.to_string().contains("not found") => return Ok(0),
-                Err(e) => return Err(wrap("read consumer", Box::new(e))),
+            let Some((handle, info)) = self.consumer_of(&stream, &consumer).await? else {
+                return Ok(0);
             };
             let held = info.num_ack_pending as u64;
             if held == 0 {
@@ -486,12 +498,8 @@ impl Bus for NatsBus {
         consumer: String,
     ) -> BoxFuture<'_, Result<u64, BusError>> {
         async move {
-            let wrap = |operation, e| stream_error(operation, &stream, e);
-            let handle = self.stream(&stream).await?;
-            let info = match handle.consumer_info(&consumer).await {
-                Ok(info) => info,
-                Err(e) if e.to_string().contains("not found") => return Ok(0),
-                Err(e) => return Err(wrap("read consumer", Box::new(e))),
+            let Some((handle, info)) = self.consumer_of(&stream, &consumer).await? else {
+                return Ok(0);
             };
             // Everything up to the ack floor is acknowledged; a purge by sequence removes the
             // messages before the one given.
@@ -499,11 +507,10 @@ impl Bus for NatsBus {
             if floor == 0 {
                 return Ok(0);
             }
-            let purged = handle
-                .purge()
-                .sequence(floor + 1)
-                .await
-                .map_err(|e| wrap("purge acknowledged messages", Box::new(e)))?;
+            let purged =
+                handle.purge().sequence(floor + 1).await.map_err(|e| {
+                    stream_error("purge acknowledged messages", &stream, Box::new(e))
+                })?;
             Ok(purged.purged)
         }
         .boxed()

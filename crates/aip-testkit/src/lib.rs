@@ -452,6 +452,23 @@ impl Stack {
         .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// Acknowledges delivered frames as the gateway that wrote them would: a `DeliveryAck`
+    /// of `msg_ids` on the `Aip-Ack` subject `to` they carried.
+    pub async fn acknowledge_delivery(&self, to: &str, msg_ids: Vec<String>) {
+        let ack = proto_schemas::sessions::DeliveryAck {
+            version: proto_schemas::V1,
+            msg_ids,
+        };
+        self.bus
+            .publish(
+                to.to_owned(),
+                aip_bus::Headers::new(),
+                serde_json::to_vec(&ack).expect("json").into(),
+            )
+            .await
+            .expect("acknowledged");
+    }
+
     /// Waits until the task has ended (completed, failed, canceled or rejected), and returns
     /// it; panics after [`WAIT`].
     pub async fn task_ended(&self, id: &str) -> Value {

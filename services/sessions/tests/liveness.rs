@@ -340,19 +340,7 @@ async fn a_frame_for_a_client_is_sent_again_until_a_gateway_acknowledges_it(back
     assert_eq!(command["type"], "command", "{command}");
 
     for id in seen.keys() {
-        let ack = DeliveryAck {
-            version: V1,
-            msg_ids: vec![id.clone()],
-        };
-        stack
-            .bus
-            .publish(
-                ack_to.clone(),
-                Headers::new(),
-                serde_json::to_vec(&ack).expect("json").into(),
-            )
-            .await
-            .expect("acknowledged");
+        stack.acknowledge_delivery(&ack_to, vec![id.clone()]).await;
     }
     // Copies already on their way may arrive; after the sweeps that follow, none does.
     let quiet = Duration::from_secs(8);

@@ -11,8 +11,8 @@ use aip_testkit::frames::{constellation_task, one_step};
 use aip_testkit::{Backend, Options, Stack, both_backends};
 use futures::StreamExt;
 use proto_schemas::registry::RegisterAgent;
-use proto_schemas::sessions::{DeliveryAck, GatewayEvent, InboundFrame};
-use proto_schemas::{ClientType, Platform, Subjects, V1};
+use proto_schemas::sessions::{GatewayEvent, InboundFrame};
+use proto_schemas::{ClientType, Platform, Subjects};
 use serde_json::{Value, json};
 
 /// A gateway that never reports presence (the registry keeps its clients online for the
@@ -49,22 +49,6 @@ async fn until_outbox_holds(db: &aip_store::Database, expected: (i64, i64), what
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-async fn acknowledge(stack: &Stack, to: &str, msg_id: &str) {
-    let ack = DeliveryAck {
-        version: V1,
-        msg_ids: vec![msg_id.to_owned()],
-    };
-    stack
-        .bus
-        .publish(
-            to.to_owned(),
-            Headers::new(),
-            serde_json::to_vec(&ack).expect("json").into(),
-        )
-        .await
-        .expect("acknowledged");
 }
 
 async fn only_unacknowledged_frames_of_a_group_are_sent_again(backend: Backend) {
@@ -155,7 +139,7 @@ async fn only_unacknowledged_frames_of_a_group_are_sent_again(backend: Backend) 
     assert_eq!(outbox_rows(&db).await, (1, 0), "both frames in one row");
 
     // The acknowledgement is written; the command is not (the device's gateway is away).
-    acknowledge(&stack, &ack_to, &heartbeat).await;
+    stack.acknowledge_delivery(&ack_to, vec![heartbeat]).await;
     let (again, again_id, _) = next("the command, again").await;
     assert_eq!(
         again["type"], "command",
@@ -169,7 +153,9 @@ async fn only_unacknowledged_frames_of_a_group_are_sent_again(backend: Backend) 
     )
     .await;
 
-    acknowledge(&stack, &ack_to, &command).await;
+    stack
+        .acknowledge_delivery(&ack_to, vec![command.clone()])
+        .await;
     until_outbox_holds(&db, (0, 0), "everything acknowledged").await;
     // No copy comes after the sweeps that follow.
     if let Ok(Some(copy)) = tokio::time::timeout(Duration::from_secs(7), deliveries.next()).await {
