@@ -437,16 +437,17 @@ async fn nats_trims_what_the_consumer_acknowledged() {
         let bus = bus.clone();
         let stream = stream.clone();
         async move {
-            let mut removed = 0;
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-            while removed < expected && tokio::time::Instant::now() < deadline {
-                removed += bus
+            let removed = std::sync::atomic::AtomicU64::new(0);
+            let reached = aip_testkit::eventually_within(Duration::from_secs(3), what, || async {
+                let now = bus
                     .trim_acknowledged(stream.clone(), "sessions".into())
                     .await
                     .expect("trimmed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            assert_eq!(removed, expected, "{what}");
+                let total = removed.fetch_add(now, std::sync::atomic::Ordering::Relaxed) + now;
+                (total >= expected).then_some(total)
+            })
+            .await;
+            assert_eq!(reached.ok(), Some(expected), "{what}");
         }
     };
     trimmed(3, "the three before the held one").await;

@@ -37,18 +37,11 @@ async fn outbox_rows(db: &aip_store::Database) -> (i64, i64) {
 
 /// Waits (up to 10 s) until the outbox holds `expected` rows ([`outbox_rows`]).
 async fn until_outbox_holds(db: &aip_store::Database, expected: (i64, i64), what: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let rows = outbox_rows(db).await;
-        if rows == expected {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: the outbox holds {rows:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    aip_testkit::eventually_within(Duration::from_secs(10), what, || async {
+        (outbox_rows(db).await == expected).then_some(())
+    })
+    .await
+    .expect("the outbox holds what it should");
 }
 
 async fn only_unacknowledged_frames_of_a_group_are_sent_again(backend: Backend) {
