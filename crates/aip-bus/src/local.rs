@@ -408,9 +408,9 @@ impl Bus for LocalBus {
         &self,
         _stream: String,
         _consumer: String,
-    ) -> BoxFuture<'_, Result<u64, BusError>> {
+    ) -> BoxFuture<'_, Result<crate::Trimmed, BusError>> {
         // In process, an acknowledged message leaves its queue at once.
-        async { Ok(0) }.boxed()
+        async { Ok(crate::Trimmed::ByItself) }.boxed()
     }
 
     fn delete_stream(&self, name: String) -> BoxFuture<'_, Result<(), BusError>> {

@@ -10,7 +10,7 @@ use futures::{FutureExt, StreamExt};
 use async_nats::jetstream;
 
 use crate::blob::{BlobChunk, BlobRef};
-use crate::durable::{Acker, Delivery, DurableSubscription, StreamSpec};
+use crate::durable::{Acker, Delivery, DurableSubscription, Retention, StreamSpec, Trimmed};
 use crate::nats_settings::{Auth, NatsSettings, NatsSettingsError, redact_url, url_secrets};
 use crate::{Bus, BusError, Headers, Message, Subscription};
 
@@ -319,6 +319,10 @@ impl Bus for NatsBus {
                 storage: jetstream::stream::StorageType::File,
                 discard: jetstream::stream::DiscardPolicy::New,
                 allow_direct: spec.allow_direct,
+                retention: match spec.retention {
+                    Retention::Limits => jetstream::stream::RetentionPolicy::Limits,
+                    Retention::WorkQueue => jetstream::stream::RetentionPolicy::WorkQueue,
+                },
                 ..Default::default()
             };
             let mut stream = self
@@ -340,6 +344,18 @@ impl Bus for NatsBus {
                     expected: spec.subjects,
                     found: existing.subjects,
                 });
+            }
+            // Made by an older version as a stream that keeps what was consumed: the server
+            // cannot turn it into a work queue in place, so it stays as it is and its
+            // consumer's leader trims it (`trim_acknowledged`).
+            if existing.retention != config.retention {
+                tracing::warn!(
+                    stream = %spec.name,
+                    found = ?existing.retention,
+                    wanted = ?config.retention,
+                    "the stream keeps its retention (a server cannot change it in place); to \
+                     have the new one, delete the stream while nothing is in it"
+                );
             }
             // Ours, made with other limits (an older version, changed settings): take the
             // configured ones, so a size cap also reaches existing deployments.
@@ -473,11 +489,18 @@ impl Bus for NatsBus {
                 return Ok(0);
             }
             // The server redelivers a held message only after its ack wait, to whoever pulls.
-            // A consumer created again from its ack floor delivers them now; the old one's
-            // outstanding pulls and acks die with it.
+            // A consumer created again delivers them now; the old one's outstanding pulls and
+            // acks die with it. A work queue holds nothing acknowledged, so it starts from
+            // its first message (the only start a work queue's consumer may have); another
+            // stream from the consumer's ack floor.
             let mut config = info.config.clone();
-            config.deliver_policy = jetstream::consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: info.ack_floor.stream_sequence + 1,
+            config.deliver_policy = match handle.cached_info().config.retention {
+                jetstream::stream::RetentionPolicy::WorkQueue => {
+                    jetstream::consumer::DeliverPolicy::All
+                }
+                _ => jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: info.ack_floor.stream_sequence + 1,
+                },
             };
             handle
                 .delete_consumer(&consumer)
@@ -496,22 +519,29 @@ impl Bus for NatsBus {
         &self,
         stream: String,
         consumer: String,
-    ) -> BoxFuture<'_, Result<u64, BusError>> {
+    ) -> BoxFuture<'_, Result<Trimmed, BusError>> {
         async move {
             let Some((handle, info)) = self.consumer_of(&stream, &consumer).await? else {
-                return Ok(0);
+                return Ok(Trimmed::Removed(0));
             };
+            if handle.cached_info().config.retention != jetstream::stream::RetentionPolicy::Limits {
+                return Ok(Trimmed::ByItself);
+            }
+            let server_version = self.client.server_info().version;
+            if !purge_keeps_deliveries(&server_version) {
+                return Ok(Trimmed::Unsafe { server_version });
+            }
             // Everything up to the ack floor is acknowledged; a purge by sequence removes the
             // messages before the one given.
             let floor = info.ack_floor.stream_sequence;
             if floor == 0 {
-                return Ok(0);
+                return Ok(Trimmed::Removed(0));
             }
             let purged =
                 handle.purge().sequence(floor + 1).await.map_err(|e| {
                     stream_error("purge acknowledged messages", &stream, Box::new(e))
                 })?;
-            Ok(purged.purged)
+            Ok(Trimmed::Removed(purged.purged))
         }
         .boxed()
     }
@@ -660,9 +690,46 @@ impl Bus for NatsBus {
     }
 }
 
+/// Whether a server of `version` keeps a consumer's unacknowledged deliveries when the
+/// messages before them are purged. nats-server before 2.9.15 forgets all of them on any
+/// purge (its consumer's pending list is emptied, and a nak of one is then ignored), so a
+/// frame handed back for another try would never come again. An unreadable version is
+/// taken for an old one.
+fn purge_keeps_deliveries(version: &str) -> bool {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split(['.', '-', '+'])
+        .map(|part| part.parse::<u64>().ok());
+    match (
+        parts.next().flatten(),
+        parts.next().flatten(),
+        parts.next().flatten(),
+    ) {
+        (Some(major), Some(minor), Some(patch)) => (major, minor, patch) >= (2, 9, 15),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_servers_from_2_9_15_purge_without_forgetting_deliveries() {
+        for old in ["2.9.10", "2.9.14", "2.8.4", "1.4.0", "", "2.x", "2.9"] {
+            assert!(!purge_keeps_deliveries(old), "{old}");
+        }
+        for new in [
+            "2.9.15",
+            "2.9.25",
+            "2.10.0",
+            "2.10.22-RC.1",
+            "v2.11.3",
+            "3.0.0",
+        ] {
+            assert!(purge_keeps_deliveries(new), "{new}");
+        }
+    }
 
     #[tokio::test]
     async fn a_failed_connection_shows_the_url_without_its_password() {

@@ -326,15 +326,22 @@ async fn next_delivery(d: &mut aip_bus::DurableSubscription) -> aip_bus::Deliver
 
 /// A consumer that died holding messages (a leader killed or frozen) strands them until the
 /// ack wait (10 s) passes; `release_pending` makes them deliverable at once, and leaves a
-/// consumer that holds nothing alone.
+/// consumer that holds nothing alone. On a work queue (the frames stream) and on a stream that
+/// keeps what was consumed (one an older version made).
 #[tokio::test]
 async fn nats_releases_the_messages_a_dead_consumer_held() {
+    releases_held_messages(aip_bus::Retention::WorkQueue).await;
+    releases_held_messages(aip_bus::Retention::Limits).await;
+}
+
+async fn releases_held_messages(retention: aip_bus::Retention) {
     use aip_bus::{StreamSpec, stream_name};
     let bus = nats().await;
     let p = prefix();
     let stream = stream_name(&p, "frames");
     let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
     spec.max_age = Duration::from_secs(60);
+    spec.retention = retention;
     bus.ensure_stream(spec).await.expect("create stream");
     let released = bus
         .release_pending(stream.clone(), "sessions".into())
@@ -384,7 +391,11 @@ async fn nats_releases_the_messages_a_dead_consumer_held() {
         d.ack().await.expect("ack");
     }
     bodies.sort();
-    assert_eq!(bodies, ["three", "two"], "the acked one does not come back");
+    assert_eq!(
+        bodies,
+        ["three", "two"],
+        "{retention:?}: the acked one does not come back"
+    );
     assert_eq!(
         bus.release_pending(stream.clone(), "sessions".into())
             .await
@@ -394,12 +405,105 @@ async fn nats_releases_the_messages_a_dead_consumer_held() {
     bus.delete_stream(stream).await.expect("delete stream");
 }
 
-/// A stream that keeps what was consumed would fill to its cap and then refuse every new
-/// message; `trim_acknowledged` removes what the consumer acknowledged, up to its ack floor,
-/// and leaves a message it holds unacknowledged (and everything after it) in place.
+/// Five frames; the consumer acks three, holds the fourth and acks the fifth. What the stream
+/// holds afterwards (waiting for the server to count the acks), and the held one handed back.
+async fn acks_three_holds_one(
+    bus: &SharedBus,
+    stream: &str,
+    subject: &str,
+) -> (aip_bus::DurableSubscription, aip_bus::Delivery) {
+    for id in ["m1", "m2", "m3", "m4", "m5"] {
+        bus.publish_durable(
+            subject.to_owned(),
+            Headers::new().with(names::MSG_ID, id),
+            id.into(),
+        )
+        .await
+        .expect("stored");
+    }
+    let mut consumer = bus
+        .consume(stream.to_owned(), "sessions".into(), 16)
+        .await
+        .expect("consume");
+    for _ in 0..3 {
+        next_delivery(&mut consumer).await.ack().await.expect("ack");
+    }
+    let held = next_delivery(&mut consumer).await;
+    assert_eq!(&held.message.payload[..], b"m4");
+    next_delivery(&mut consumer).await.ack().await.expect("ack");
+    (consumer, held)
+}
+
+/// Waits until the stream holds `count` messages.
+async fn holds(stream: &str, count: u64, what: &str) {
+    let reached = aip_testkit::eventually_within(Duration::from_secs(3), what, || async {
+        (stored(stream).await == count).then_some(())
+    })
+    .await;
+    assert!(
+        reached.is_ok(),
+        "{what}: the stream holds {}",
+        stored(stream).await
+    );
+}
+
+/// The held frame, handed back, comes again (and nothing else does).
+async fn comes_again(consumer: &mut aip_bus::DurableSubscription, held: aip_bus::Delivery) {
+    held.nak(Duration::from_millis(50)).await.expect("nak");
+    let again = within(
+        Duration::from_secs(3),
+        "the held frame again",
+        consumer.next(),
+    )
+    .await
+    .expect("open")
+    .expect("delivery");
+    assert_eq!(&again.message.payload[..], b"m4");
+    assert_eq!(again.delivered, 2);
+    again.ack().await.expect("ack");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), consumer.next())
+            .await
+            .is_err(),
+        "nothing else comes again"
+    );
+}
+
+/// The frames stream is a work queue: what its consumer acknowledges leaves it at once, so it
+/// never fills with consumed frames; a frame held and handed back comes again; there is
+/// nothing to trim.
 #[tokio::test]
-async fn nats_trims_what_the_consumer_acknowledged() {
-    use aip_bus::{StreamSpec, stream_name};
+async fn nats_a_work_queue_drops_what_its_consumer_acknowledged() {
+    use aip_bus::{Retention, StreamSpec, Trimmed, stream_name};
+    let bus = nats().await;
+    let p = prefix();
+    let stream = stream_name(&p, "frames");
+    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
+    spec.max_age = Duration::from_secs(60);
+    spec.retention = Retention::WorkQueue;
+    bus.ensure_stream(spec).await.expect("create stream");
+    let (mut consumer, held) = acks_three_holds_one(&bus, &stream, &format!("{p}.frames.a")).await;
+    holds(&stream, 1, "only the held frame stays").await;
+    assert_eq!(
+        bus.trim_acknowledged(stream.clone(), "sessions".into())
+            .await
+            .expect("trim"),
+        Trimmed::ByItself
+    );
+    comes_again(&mut consumer, held).await;
+    holds(&stream, 0, "the queue is empty").await;
+    bus.delete_stream(stream).await.expect("delete stream");
+}
+
+/// A stream made by an older version keeps what was consumed and would fill to its cap, then
+/// refuse every new message: `trim_acknowledged` removes what the consumer acknowledged, up
+/// to its ack floor, and leaves a message it holds (and everything after it) in place, which
+/// handed back comes again. A server that would forget the held one when purging (nats-server
+/// before 2.9.15: a nak after any purge was ignored, and the frame never came again) is not
+/// trimmed at all.
+#[tokio::test]
+async fn nats_trims_a_stream_that_keeps_what_was_consumed_only_where_that_loses_nothing() {
+    use aip_bus::{StreamSpec, Trimmed, stream_name};
     let bus = nats().await;
     let p = prefix();
     let stream = stream_name(&p, "frames");
@@ -410,57 +514,72 @@ async fn nats_trims_what_the_consumer_acknowledged() {
         bus.trim_acknowledged(stream.clone(), "sessions".into())
             .await
             .expect("no consumer yet"),
-        0
+        Trimmed::Removed(0)
     );
-    for id in ["m1", "m2", "m3", "m4", "m5"] {
-        bus.publish_durable(
-            format!("{p}.frames.a"),
-            Headers::new().with(names::MSG_ID, id),
-            id.into(),
-        )
-        .await
-        .expect("stored");
-    }
-    let mut consumer = bus
-        .consume(stream.clone(), "sessions".into(), 16)
-        .await
-        .expect("consume");
-    for _ in 0..3 {
-        next_delivery(&mut consumer).await.ack().await.expect("ack");
-    }
-    let held = next_delivery(&mut consumer).await;
-    let fifth = next_delivery(&mut consumer).await;
-    fifth.ack().await.expect("ack");
-
-    // The acks reach the server a moment after they are sent.
-    let trimmed = |expected: u64, what: &'static str| {
+    let (mut consumer, held) = acks_three_holds_one(&bus, &stream, &format!("{p}.frames.a")).await;
+    let version = server_version().await;
+    let trimmed = |stream: String| {
         let bus = bus.clone();
-        let stream = stream.clone();
         async move {
+            // The acks reach the server a moment after they are sent.
             let removed = std::sync::atomic::AtomicU64::new(0);
-            let reached = aip_testkit::eventually_within(Duration::from_secs(3), what, || async {
-                let now = bus
-                    .trim_acknowledged(stream.clone(), "sessions".into())
-                    .await
-                    .expect("trimmed");
-                let total = removed.fetch_add(now, std::sync::atomic::Ordering::Relaxed) + now;
-                (total >= expected).then_some(total)
-            })
+            let reached = aip_testkit::eventually_within(
+                Duration::from_secs(3),
+                "the three before the held one",
+                || async {
+                    let now = match bus
+                        .trim_acknowledged(stream.clone(), "sessions".into())
+                        .await
+                        .expect("trimmed")
+                    {
+                        Trimmed::Removed(n) => n,
+                        other => panic!("{other:?}"),
+                    };
+                    let total = removed.fetch_add(now, std::sync::atomic::Ordering::Relaxed) + now;
+                    (total >= 3).then_some(total)
+                },
+            )
             .await;
-            assert_eq!(reached.ok(), Some(expected), "{what}");
+            assert_eq!(reached.ok(), Some(3));
         }
     };
-    trimmed(3, "the three before the held one").await;
-    assert_eq!(
-        stored(&stream).await,
-        2,
-        "the held one and the one after it stay"
-    );
-
-    held.ack().await.expect("ack");
-    trimmed(2, "the rest, once acknowledged").await;
-    assert_eq!(stored(&stream).await, 0);
+    if old_purge(&version) {
+        assert_eq!(
+            bus.trim_acknowledged(stream.clone(), "sessions".into())
+                .await
+                .expect("trim"),
+            Trimmed::Unsafe {
+                server_version: version.clone()
+            }
+        );
+        assert_eq!(stored(&stream).await, 5, "nothing removed on {version}");
+    } else {
+        trimmed(stream.clone()).await;
+        assert_eq!(
+            stored(&stream).await,
+            2,
+            "the held one and the one after it"
+        );
+    }
+    comes_again(&mut consumer, held).await;
     bus.delete_stream(stream).await.expect("delete stream");
+}
+
+/// The version of the NATS server the tests use.
+async fn server_version() -> String {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let client = async_nats::connect(url).await.expect("NATS");
+    client.server_info().version
+}
+
+/// Whether `version` is a nats-server from before 2.9.15 (purges forget deliveries).
+fn old_purge(version: &str) -> bool {
+    let parts: Vec<u64> = version
+        .split(['.', '-'])
+        .take(3)
+        .map(|p| p.parse().expect("a numeric version"))
+        .collect();
+    parts.as_slice() < [2, 9, 15].as_slice()
 }
 
 /// How many messages a stream holds, as the NATS server reports it.
@@ -481,6 +600,6 @@ async fn the_local_bus_has_nothing_to_trim() {
         bus.trim_acknowledged("any".into(), "sessions".into())
             .await
             .expect("nothing to do"),
-        0
+        aip_bus::Trimmed::ByItself
     );
 }

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use aip_bus::{Bus, BusError, Headers, NatsBus, StreamSpec, names};
+use aip_bus::{Bus, BusError, Headers, NatsBus, Retention, StreamSpec, names};
 use futures::StreamExt;
 use proto_schemas::Subjects;
 
@@ -25,6 +25,7 @@ fn frames_spec(subjects: &Subjects) -> StreamSpec {
     let mut spec = StreamSpec::new(subjects.frames_stream(), vec![subjects.frames_all()]);
     spec.max_age = Duration::from_secs(60);
     spec.max_bytes = 1 << 20;
+    spec.retention = Retention::WorkQueue;
     spec
 }
 
@@ -76,10 +77,20 @@ async fn prefixes_with_dot_and_underscore_keep_their_frames_apart() {
     let underscored = Subjects::new(&format!("t{id}_aip")).expect("prefix");
     assert_ne!(dotted.frames_stream(), underscored.frames_stream());
     let _cleanup = Cleanup(vec![dotted.frames_stream(), underscored.frames_stream()]);
+    let js = async_nats::jetstream::new(bus.client().clone());
     for subjects in [&dotted, &underscored] {
         bus.ensure_stream(frames_spec(subjects))
             .await
             .expect("each tenant gets its own stream");
+        let mut handle = js
+            .get_stream(subjects.frames_stream())
+            .await
+            .expect("stream");
+        assert_eq!(
+            handle.info().await.expect("info").config.retention,
+            async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
+            "a new frames stream is a work queue"
+        );
     }
     for (subjects, body) in [
         (&dotted, "dotted-1"),
@@ -136,9 +147,12 @@ async fn streams_get_their_size_cap_and_a_full_one_refuses_new_messages() {
     let stream = subjects.frames_stream();
     let _cleanup = Cleanup(vec![stream.clone()]);
 
-    // An existing stream made without a cap (as before caps existed) gets the configured one.
+    // An existing stream made without a cap and keeping what was consumed (as before caps
+    // and work queues existed) gets the configured cap, and keeps its retention (a server
+    // cannot change it in place): starting does not fail on it.
     let mut uncapped = frames_spec(&subjects);
     uncapped.max_bytes = -1;
+    uncapped.retention = Retention::Limits;
     bus.ensure_stream(uncapped).await.expect("uncapped");
     let mut capped = frames_spec(&subjects);
     capped.max_bytes = 4096;
@@ -146,6 +160,10 @@ async fn streams_get_their_size_cap_and_a_full_one_refuses_new_messages() {
     let mut handle = js.get_stream(&stream).await.expect("stream");
     let config = handle.info().await.expect("info").config.clone();
     assert_eq!(config.max_bytes, 4096);
+    assert_eq!(
+        config.retention,
+        async_nats::jetstream::stream::RetentionPolicy::Limits
+    );
     assert_eq!(
         config.discard,
         async_nats::jetstream::stream::DiscardPolicy::New

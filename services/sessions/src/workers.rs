@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
-use aip_bus::{Headers, StreamSpec, names};
+use aip_bus::{Headers, Retention, StreamSpec, Trimmed, names};
 use futures::StreamExt;
 use proto_schemas::flow::{
     ClarificationResponse, HandoffRequest, InvalidAgentRequest, SubmitOutcome, TaskRequest,
@@ -36,7 +36,8 @@ use proto_schemas::sessions::InboundFrame;
 pub const CONSUMER: &str = "aip-sessions";
 
 /// Creates the frames stream the gateways publish into, and the blob stream, with the size
-/// caps of `nats` (a full stream refuses new messages instead of dropping stored ones).
+/// caps of `nats` (a full stream refuses new messages instead of dropping stored ones). The
+/// frames stream is a work queue: a frame leaves it when the leader acknowledges it.
 pub async fn ensure_frames_stream(
     engine: &Engine,
     nats: &aip_bus::NatsSettings,
@@ -48,6 +49,7 @@ pub async fn ensure_frames_stream(
         .await?;
     let mut frames = StreamSpec::new(subjects.frames_stream(), vec![subjects.frames_all()]);
     frames.max_bytes = nats.nats_frames_max_bytes;
+    frames.retention = Retention::WorkQueue;
     engine.bus().ensure_stream(frames).await
 }
 
@@ -567,10 +569,11 @@ pub async fn run_outbox_sweeper(engine: Engine, stop: CancellationToken) {
 }
 
 /// Every second while leading: removes the frames the session service has acknowledged from
-/// the frames stream. The stream keeps what was consumed (JetStream's `limits` retention, as
-/// every deployment's stream was made), so without this it filled to `nats_frames_max_bytes`
-/// within hours of steady traffic (minutes at a few thousand tasks per second) and then
-/// refused every client frame until the oldest aged out a day later.
+/// a frames stream made by an older version, which keeps what was consumed (JetStream's
+/// `limits` retention): without this it filled to `nats_frames_max_bytes` within hours of
+/// steady traffic (minutes at a few thousand tasks per second) and then refused every client
+/// frame until the oldest aged out a day later. A work queue (every stream made now) removes
+/// them itself, and the trimmer stops at once.
 pub async fn run_frames_trimmer(engine: Engine, stop: CancellationToken) {
     let stream = engine.subjects().frames_stream();
     let consumer = engine.subjects().sessions_consumer();
@@ -585,8 +588,23 @@ pub async fn run_frames_trimmer(engine: Engine, stop: CancellationToken) {
             .trim_acknowledged(stream.clone(), consumer.clone())
             .await
         {
-            Ok(0) => {}
-            Ok(removed) => tracing::debug!(removed, "acknowledged frames removed from the stream"),
+            Ok(Trimmed::ByItself) => return,
+            Ok(Trimmed::Removed(0)) => {}
+            Ok(Trimmed::Removed(removed)) => {
+                tracing::debug!(removed, "acknowledged frames removed from the stream")
+            }
+            Ok(Trimmed::Unsafe { server_version }) => {
+                tracing::warn!(
+                    stream,
+                    server_version,
+                    "the frames stream keeps consumed frames (made by an older aip) and this \
+                     nats-server would lose frames held for another try if it were trimmed: \
+                     it is left to fill up to nats_frames_max_bytes. Upgrade nats-server to \
+                     2.9.15 or later, or delete the stream while it is empty (nats stream rm) \
+                     so that aip-sessions makes it again as a work queue"
+                );
+                return;
+            }
             Err(e) => tracing::warn!("acknowledged frames not removed from the stream: {e}"),
         }
     }
