@@ -11,6 +11,8 @@ twice, every event log gap-free, fresh tasks complete on both gateways and over 
 own NATS (4222) or PostgreSQL (5432).
 
 Usage: bench/faults/run.sh [--scale small|full] [--faults none,sessions-kill,...] [--keep]
+Environment: FAULTS_RUST_LOG, the services' RUST_LOG (default info; e.g.
+info,aip_sessions=debug to follow a lost frame in the logs kept under --results).
 """
 
 import argparse
