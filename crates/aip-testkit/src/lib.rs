@@ -452,6 +452,18 @@ impl Stack {
         .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// How many messages the frames stream holds, as the NATS server counts them (`None` on
+    /// the in-process bus, or before the session service made the stream).
+    pub async fn frames_stream_messages(&self) -> Option<u64> {
+        let nats = self.infra.as_ref()?.nats.as_ref()?;
+        let subjects = proto_schemas::Subjects::new(&self.prefix).ok()?;
+        let mut stream = async_nats::jetstream::new(nats.client().clone())
+            .get_stream(subjects.frames_stream())
+            .await
+            .ok()?;
+        Some(stream.info().await.ok()?.state.messages)
+    }
+
     /// Acknowledges delivered frames as the gateway that wrote them would: a `DeliveryAck`
     /// of `msg_ids` on the `Aip-Ack` subject `to` they carried.
     pub async fn acknowledge_delivery(&self, to: &str, msg_ids: Vec<String>) {

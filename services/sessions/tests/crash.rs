@@ -177,6 +177,19 @@ async fn kill_9_mid_flight_loses_nothing_and_runs_nothing_twice() {
         );
         assert_eq!(ran.len(), STEPS, "{device} ran {} commands", ran.len());
     }
+    // The frames stream is a work queue: every frame the service applied, before the kill and
+    // after, has left it (it neither fills up with consumed frames nor keeps one stranded).
+    let left = aip_testkit::eventually_within(
+        Duration::from_secs(10),
+        "an empty frames stream",
+        || async { (stack.frames_stream_messages().await == Some(0)).then_some(()) },
+    )
+    .await;
+    assert!(
+        left.is_ok(),
+        "the frames stream still holds {:?} messages",
+        stack.frames_stream_messages().await
+    );
     for d in devices {
         d.abort();
     }
