@@ -324,6 +324,18 @@ async fn next_delivery(d: &mut aip_bus::DurableSubscription) -> aip_bus::Deliver
         .expect("delivery")
 }
 
+/// A fresh frames stream (a prefix of its own, a minute's age limit) with `retention`: its
+/// prefix and name.
+async fn fresh_frames_stream(bus: &SharedBus, retention: aip_bus::Retention) -> (String, String) {
+    let p = prefix();
+    let stream = aip_bus::stream_name(&p, "frames");
+    let mut spec = aip_bus::StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
+    spec.max_age = Duration::from_secs(60);
+    spec.retention = retention;
+    bus.ensure_stream(spec).await.expect("create stream");
+    (p, stream)
+}
+
 /// A consumer that died holding messages (a leader killed or frozen) strands them until the
 /// ack wait (10 s) passes; `release_pending` makes them deliverable at once, and leaves a
 /// consumer that holds nothing alone. On a work queue (the frames stream) and on a stream that
@@ -335,14 +347,8 @@ async fn nats_releases_the_messages_a_dead_consumer_held() {
 }
 
 async fn releases_held_messages(retention: aip_bus::Retention) {
-    use aip_bus::{StreamSpec, stream_name};
     let bus = nats().await;
-    let p = prefix();
-    let stream = stream_name(&p, "frames");
-    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
-    spec.max_age = Duration::from_secs(60);
-    spec.retention = retention;
-    bus.ensure_stream(spec).await.expect("create stream");
+    let (p, stream) = fresh_frames_stream(&bus, retention).await;
     let released = bus
         .release_pending(stream.clone(), "sessions".into())
         .await
@@ -474,14 +480,9 @@ async fn comes_again(consumer: &mut aip_bus::DurableSubscription, held: aip_bus:
 /// nothing to trim.
 #[tokio::test]
 async fn nats_a_work_queue_drops_what_its_consumer_acknowledged() {
-    use aip_bus::{Retention, StreamSpec, Trimmed, stream_name};
+    use aip_bus::{Retention, Trimmed};
     let bus = nats().await;
-    let p = prefix();
-    let stream = stream_name(&p, "frames");
-    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
-    spec.max_age = Duration::from_secs(60);
-    spec.retention = Retention::WorkQueue;
-    bus.ensure_stream(spec).await.expect("create stream");
+    let (p, stream) = fresh_frames_stream(&bus, Retention::WorkQueue).await;
     let (mut consumer, held) = acks_three_holds_one(&bus, &stream, &format!("{p}.frames.a")).await;
     holds(&stream, 1, "only the held frame stays").await;
     assert_eq!(
@@ -503,13 +504,9 @@ async fn nats_a_work_queue_drops_what_its_consumer_acknowledged() {
 /// trimmed at all.
 #[tokio::test]
 async fn nats_trims_a_stream_that_keeps_what_was_consumed_only_where_that_loses_nothing() {
-    use aip_bus::{StreamSpec, Trimmed, stream_name};
+    use aip_bus::{Retention, Trimmed};
     let bus = nats().await;
-    let p = prefix();
-    let stream = stream_name(&p, "frames");
-    let mut spec = StreamSpec::new(stream.clone(), vec![format!("{p}.frames.>")]);
-    spec.max_age = Duration::from_secs(60);
-    bus.ensure_stream(spec).await.expect("create stream");
+    let (p, stream) = fresh_frames_stream(&bus, Retention::Limits).await;
     assert_eq!(
         bus.trim_acknowledged(stream.clone(), "sessions".into())
             .await
