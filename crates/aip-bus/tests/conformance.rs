@@ -257,6 +257,19 @@ async fn nats_refuses_payloads_over_its_limit() {
     assert!(matches!(err, BusError::PayloadTooLarge { .. }), "{err:?}");
 }
 
+/// Stores `(message id, body)` pairs on `subject`, in order.
+async fn store(bus: &SharedBus, subject: &str, messages: &[(&str, &str)]) {
+    for (id, body) in messages {
+        bus.publish_durable(
+            subject.to_owned(),
+            Headers::new().with(names::MSG_ID, *id),
+            body.to_string().into(),
+        )
+        .await
+        .expect("stored");
+    }
+}
+
 async fn durable_streams_deduplicate_and_redeliver(bus: SharedBus) {
     use aip_bus::{StreamSpec, stream_name};
     let p = prefix();
@@ -275,15 +288,12 @@ async fn durable_streams_deduplicate_and_redeliver(bus: SharedBus) {
     bus.ensure_stream(spec)
         .await
         .expect("creating it again keeps it");
-    for (id, body) in [("m1", "one"), ("m1", "one again"), ("m2", "two")] {
-        bus.publish_durable(
-            format!("{p}.frames.a"),
-            Headers::new().with(names::MSG_ID, id),
-            body.into(),
-        )
-        .await
-        .expect("stored");
-    }
+    store(
+        &bus,
+        &format!("{p}.frames.a"),
+        &[("m1", "one"), ("m1", "one again"), ("m2", "two")],
+    )
+    .await;
     let mut deliveries = bus
         .consume(stream.clone(), "sessions".into(), 16)
         .await
@@ -354,15 +364,12 @@ async fn releases_held_messages(retention: aip_bus::Retention) {
         .await
         .expect("no consumer yet");
     assert_eq!(released, 0);
-    for (id, body) in [("m1", "one"), ("m2", "two"), ("m3", "three")] {
-        bus.publish_durable(
-            format!("{p}.frames.a"),
-            Headers::new().with(names::MSG_ID, id),
-            body.into(),
-        )
-        .await
-        .expect("stored");
-    }
+    store(
+        &bus,
+        &format!("{p}.frames.a"),
+        &[("m1", "one"), ("m2", "two"), ("m3", "three")],
+    )
+    .await;
 
     // The first leader acks "one", takes "two" and "three", and dies without acking them.
     let mut dead = bus
@@ -418,15 +425,18 @@ async fn acks_three_holds_one(
     stream: &str,
     subject: &str,
 ) -> (aip_bus::DurableSubscription, aip_bus::Delivery) {
-    for id in ["m1", "m2", "m3", "m4", "m5"] {
-        bus.publish_durable(
-            subject.to_owned(),
-            Headers::new().with(names::MSG_ID, id),
-            id.into(),
-        )
-        .await
-        .expect("stored");
-    }
+    store(
+        bus,
+        subject,
+        &[
+            ("m1", "m1"),
+            ("m2", "m2"),
+            ("m3", "m3"),
+            ("m4", "m4"),
+            ("m5", "m5"),
+        ],
+    )
+    .await;
     let mut consumer = bus
         .consume(stream.to_owned(), "sessions".into(), 16)
         .await
