@@ -43,6 +43,70 @@ pub fn storable(value: &mut Value) {
     }
 }
 
+/// Whether `value` takes `limit` bytes or more as JSON, found without encoding a large value:
+/// its strings' own lengths are summed first (the encoding is never shorter), and only a value
+/// shorter than `limit` that way is encoded to count its escapes. (Encoding even part of one
+/// 90 MiB string scans all of it for characters to escape before writing any.)
+pub fn json_len_reaches(value: &Value, limit: usize) -> bool {
+    if unescaped_len(value, limit) >= limit {
+        return true;
+    }
+    struct Counter {
+        counted: usize,
+        limit: usize,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.counted += bytes.len();
+            if self.counted >= self.limit {
+                // Enough counted: ends the encoding.
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter { counted: 0, limit };
+    let _ = serde_json::to_writer(&mut counter, value);
+    counter.counted >= limit
+}
+
+/// The length of `value`'s JSON text without its strings' escapes (a lower bound of it),
+/// counted up to `limit`.
+fn unescaped_len(value: &Value, limit: usize) -> usize {
+    match value {
+        Value::Null | Value::Bool(_) => 4,
+        Value::Number(_) => 1,
+        Value::String(text) => text.len() + 2,
+        Value::Array(items) if items.is_empty() => 2,
+        Value::Object(fields) if fields.is_empty() => 2,
+        Value::Array(items) => {
+            // `[`, then each item and the `,` or `]` after it.
+            let mut len = 1;
+            for item in items {
+                len += unescaped_len(item, limit.saturating_sub(len)) + 1;
+                if len >= limit {
+                    break;
+                }
+            }
+            len
+        }
+        Value::Object(fields) => {
+            // `{`, then each `"key":value` and the `,` or `}` after it.
+            let mut len = 1;
+            for (key, item) in fields {
+                len += key.len() + 4 + unescaped_len(item, limit.saturating_sub(len));
+                if len >= limit {
+                    break;
+                }
+            }
+            len
+        }
+    }
+}
+
 /// `value` as storable JSON text. (serde_json writes NUL as the escape `\u0000`, which jsonb
 /// refuses; only then is the value walked.)
 pub fn json_text<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, serde_json::Error> {
@@ -58,6 +122,23 @@ pub fn json_text<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, serd
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_values_json_length_is_told_against_a_limit() {
+        let text = |n: usize| Value::String("a".repeat(n));
+        // The encoding of a 10-byte string is 12 bytes.
+        assert!(json_len_reaches(&text(10), 12));
+        assert!(!json_len_reaches(&text(10), 13));
+        // Escapes count: 10 quotes encode as 20 bytes and two more.
+        assert!(json_len_reaches(&Value::String("\"".repeat(10)), 22));
+        assert!(!json_len_reaches(&Value::String("\"".repeat(10)), 23));
+        let nested = serde_json::json!({ "results": [{ "png": "x".repeat(1000) }, null, 1.5] });
+        let encoded = serde_json::to_string(&nested).expect("json").len();
+        assert!(json_len_reaches(&nested, encoded));
+        assert!(!json_len_reaches(&nested, encoded + 1));
+        // A huge string is told at once.
+        assert!(json_len_reaches(&text(50 << 20), 1 << 20));
+    }
     use serde_json::json;
 
     #[test]

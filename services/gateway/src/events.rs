@@ -46,7 +46,10 @@ pub(crate) async fn publish_frame(
     msg_id: String,
 ) -> Result<(), PublishError> {
     let client_id = &inbound.client_id;
-    let encoded = serde_json::to_vec(inbound).map_err(|e| {
+    // Encoded after the event's tag, so that a frame going alone becomes its event in place:
+    // a 90 MiB frame is not copied into a second buffer.
+    let mut event = LONE_FRAME_TAG.to_vec();
+    serde_json::to_writer(&mut event, inbound).map_err(|e| {
         tracing::error!(client = %client_id, "gateway event not serialisable: {e}");
         PublishError::Encode(Arc::new(e))
     })?;
@@ -57,10 +60,8 @@ pub(crate) async fn publish_frame(
         &subject,
         None,
     );
-    // The frame's `frame` event is built only when it goes alone from here.
-    let lone_len = encoded.len() + LONE_FRAME_TAG.len();
-    if !state.frames.gathering() || BlobStore::needed_for(state.bus.as_ref(), lone_len) {
-        let body = lone_frame(&encoded);
+    if !state.frames.gathering() || BlobStore::needed_for(state.bus.as_ref(), event.len()) {
+        frame_event_in_place(&mut event);
         let stream = FramesStream {
             bus: &state.bus,
             blobs: &state.blobs,
@@ -68,17 +69,30 @@ pub(crate) async fn publish_frame(
         let headers = Headers::new().with(names::MSG_ID, msg_id);
         count_stored(1);
         return stream
-            .store(client_id, subject, headers, body)
+            .store(client_id, subject, headers, bytes::Bytes::from(event))
             .instrument(span)
             .await;
     }
+    // Gathered with others: the frame's own encoding.
+    event.drain(..LONE_FRAME_TAG.len());
     let frame = WaitingFrame {
         client_id: client_id.clone(),
         msg_id,
         traceparent: aip_bus::trace::traceparent_of(&span),
-        encoded,
+        encoded: event,
     };
     state.frames.store(frame).instrument(span).await
+}
+
+/// Turns [`LONE_FRAME_TAG`] followed by an encoded [`InboundFrame`] (an object) into the
+/// frame's `frame` event, as [`lone_frame`] builds it.
+fn frame_event_in_place(event: &mut Vec<u8>) {
+    let opening = LONE_FRAME_TAG.len();
+    if event.get(opening + 1) == Some(&b'}') {
+        event.remove(opening);
+    } else if let Some(brace) = event.get_mut(opening) {
+        *brace = b',';
+    }
 }
 
 /// What [`lone_frame`] puts before a frame's fields.
@@ -605,6 +619,20 @@ mod tests {
             assert_eq!(gathered.msg_id, expected.msg_id);
             assert_eq!(gathered.traceparent, expected.traceparent);
             assert_eq!(gathered.inbound, inbound(i, 10));
+        }
+    }
+
+    #[test]
+    fn a_frame_becomes_its_event_in_place_as_lone_frame_builds_it() {
+        for encoded in [
+            serde_json::to_vec(&inbound(3, 10)).expect("json"),
+            b"{}".to_vec(),
+        ] {
+            let mut event = LONE_FRAME_TAG.to_vec();
+            event.extend_from_slice(&encoded);
+            frame_event_in_place(&mut event);
+            assert_eq!(event, lone_frame(&encoded).to_vec());
+            serde_json::from_slice::<serde_json::Value>(&event).expect("JSON");
         }
     }
 

@@ -54,7 +54,7 @@ pub struct Body {
     pub task_id: String,
     pub entry: i32,
     pub marker: Marker,
-    pub json: Vec<u8>,
+    pub json: bytes::Bytes,
 }
 
 /// What the leader has written apart under its term: the marker of each (task, entry), so
@@ -133,14 +133,21 @@ pub fn stored_history(
             continue;
         };
         // Each part is encoded once: the other fields, then the results (or their marker).
+        let kept = task.encoded_results.get(index);
         let index = i32::try_from(index).unwrap_or(i32::MAX);
         let rest = json_text(&rest).map_err(encode)?;
         let results = match written.get(&task.task_id, index) {
             Some(marker) => marker_text(marker),
             None => {
-                let json = json_text(results).map_err(encode)?;
+                // Large results were encoded once, when they came.
+                let json = match kept.filter(|text| text.len() > APART_BYTES) {
+                    Some(text) => text.clone(),
+                    None => bytes::Bytes::from(json_text(results).map_err(encode)?),
+                };
                 if json.len() <= APART_BYTES {
-                    json
+                    // The text of a `String`, given back without a copy.
+                    String::from_utf8(Vec::from(json))
+                        .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
                 } else {
                     let marker = Marker {
                         term,
@@ -151,7 +158,7 @@ pub fn stored_history(
                         task_id: task.task_id.clone(),
                         entry: index,
                         marker,
-                        json: json.into_bytes(),
+                        json,
                     });
                     marker_text(marker)
                 }

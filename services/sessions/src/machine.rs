@@ -667,6 +667,7 @@ impl Machine {
             updated_ms: now,
             next_seq: 1,
             handoffs: 0,
+            encoded_results: Default::default(),
         };
         self.applied(msg_id);
         metrics::counter!("aip_sessions_tasks_started_total", "planner" => task.plan.kind().as_str())
@@ -1214,6 +1215,7 @@ impl Machine {
                     .map(ActionResult::into_value)
                     .collect(),
             );
+            task.encoded_results.keep(task.history.len(), &results);
             let mut entry =
                 json!({ "step": task.step, "response_id": answered, "status": inbound.frame.status });
             if let Some(fields) = entry.as_object_mut() {

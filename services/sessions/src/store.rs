@@ -92,6 +92,21 @@ fn json<T: serde::Serialize>(value: Option<&T>) -> Result<Cell, serde_json::Erro
     value.map(json_text).transpose().map(Cell::Text)
 }
 
+/// The `history` column as written whole (SQLite; PostgreSQL keeps large results apart): with
+/// the results kept encoded copied in, not encoded again.
+fn history_cell(task: &Task) -> Result<Cell, serde_json::Error> {
+    if task.encoded_results.is_empty() {
+        return json(Some(&task.history));
+    }
+    let mut out = Vec::new();
+    task.write_history(&mut out)?;
+    match String::from_utf8(out) {
+        // The kept texts hold no escaped NUL; the other entries may.
+        Ok(text) if !text.contains("\\u0000") => Ok(Cell::Text(Some(text))),
+        _ => json(Some(&task.history)),
+    }
+}
+
 /// The `tasks` table, the one place its columns are listed.
 const COLUMNS: &[Column] = &[
     Column {
@@ -227,7 +242,7 @@ const COLUMNS: &[Column] = &[
         name: "history",
         kind: Kind::Json,
         mutable: true,
-        cell: |t| json(Some(&t.history)),
+        cell: history_cell,
     },
     Column {
         name: "priority",
@@ -389,26 +404,9 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
     }
 }
 
-/// Whether `value` takes [`LARGE_VALUE_BYTES`] or more as JSON: counted without writing it
-/// anywhere, and only up to that size (a 90 MiB result is not encoded to find out).
+/// Whether `value` takes [`LARGE_VALUE_BYTES`] or more as JSON.
 fn is_large(value: &Value) -> bool {
-    struct Counter(usize);
-    impl std::io::Write for Counter {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            if self.0 >= LARGE_VALUE_BYTES {
-                // Enough counted: ends the encoding.
-                return Err(std::io::ErrorKind::WriteZero.into());
-            }
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut counter = Counter(0);
-    let _ = serde_json::to_writer(&mut counter, value);
-    counter.0 >= LARGE_VALUE_BYTES
+    aip_store::text::json_len_reaches(value, LARGE_VALUE_BYTES)
 }
 
 /// Puts back what [`stored_event_data`] replaced by a reference to `history`.
@@ -793,6 +791,7 @@ impl TryFrom<TaskRecord> for Task {
             updated_ms: r.updated_ms,
             next_seq: r.next_seq,
             handoffs: r.handoffs,
+            encoded_results: Default::default(),
         })
     }
 }

@@ -5,6 +5,8 @@
 //! ([`crate::store`]) and on the wire. State changes go through [`Task::enter`], which holds
 //! them to the state machine of [`TaskState::can_become`].
 
+use std::collections::BTreeMap;
+
 use proto_schemas::flow::ClarificationRequest;
 use proto_schemas::sessions::{TaskState, TaskView};
 use proto_schemas::{ClientType, Command, ErrorCode, Extension, PlannerName, Platform, V1};
@@ -372,6 +374,55 @@ pub struct Task {
     pub next_seq: i64,
     /// How many times it was handed to another agent.
     pub handoffs: i32,
+    /// The large results of `history`, encoded once when they came (not stored).
+    pub encoded_results: EncodedResults,
+}
+
+/// Results that take [`KEPT_ENCODED_BYTES`] or more as JSON are kept encoded.
+pub const KEPT_ENCODED_BYTES: usize = crate::apart::APART_BYTES;
+
+/// The JSON text of a task's large history results, by history entry, encoded once when they
+/// came. A device's 90 MiB screenshot was encoded again for the `task_end` and again for the
+/// store, each time by walking the whole value; now both copy this text. Entries never change
+/// once in the history, so the text stays right. Results whose text holds an escaped NUL are
+/// not kept: the store writes them otherwise ([`aip_store::text::json_text`]).
+#[derive(Debug, Clone, Default)]
+pub struct EncodedResults(BTreeMap<usize, bytes::Bytes>);
+
+impl PartialEq for EncodedResults {
+    /// The same as `history`, in other form: it never makes two tasks differ.
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl EncodedResults {
+    /// Keeps the text of history entry `entry`'s results if they are large.
+    pub fn keep(&mut self, entry: usize, results: &Value) {
+        if !aip_store::text::json_len_reaches(results, KEPT_ENCODED_BYTES) {
+            return;
+        }
+        // A `Value` always encodes.
+        if let Ok(text) = serde_json::to_string(results)
+            && !text.contains("\\u0000")
+        {
+            self.0.insert(entry, bytes::Bytes::from(text));
+        }
+    }
+
+    /// The text of history entry `entry`'s results, if kept.
+    pub fn get(&self, entry: usize) -> Option<&bytes::Bytes> {
+        self.0.get(&entry)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The size of the texts kept.
+    pub fn bytes(&self) -> usize {
+        self.0.values().map(bytes::Bytes::len).sum()
+    }
 }
 
 impl Task {
@@ -387,7 +438,8 @@ impl Task {
         )
     }
 
-    /// [`Task::task_end`], encoded without copying the result (it is lent to the frame).
+    /// [`Task::task_end`], encoded without copying the result (it is lent to the frame). A
+    /// result that is the history, with results kept encoded, is written from their text.
     pub fn encode_task_end(&mut self, response_id: &str) -> Result<Vec<u8>, serde_json::Error> {
         let result = self.result.take();
         let mut frame = proto_schemas::server::task_end(
@@ -397,9 +449,66 @@ impl Task {
             self.error.as_ref().map(|e| e.detail.clone()),
             response_id,
         );
-        let encoded = serde_json::to_vec(&frame);
+        let metadata = frame.metadata.is_some();
+        let spliced = frame
+            .result
+            .take_if(|result| !metadata && self.is_encoded_history(result));
+        let encoded = match spliced {
+            Some(result) => {
+                // Without `metadata`, `result` is the frame's last field; it has others.
+                let encoded = serde_json::to_vec(&frame).and_then(|mut out| {
+                    out.pop();
+                    out.extend_from_slice(br#","result":"#);
+                    self.write_history(&mut out)?;
+                    out.push(b'}');
+                    Ok(out)
+                });
+                frame.result = Some(result);
+                encoded
+            }
+            None => serde_json::to_vec(&frame),
+        };
         self.result = frame.result.take();
         encoded
+    }
+
+    /// Whether `result` is the history and some of its results are kept encoded.
+    fn is_encoded_history(&self, result: &Value) -> bool {
+        !self.encoded_results.is_empty()
+            && matches!(result, Value::Array(items) if *items == self.history)
+    }
+
+    /// Writes the history as JSON, as `serde_json` would, with the kept texts of its results.
+    pub fn write_history(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        // Room for the kept texts up front: a 90 MiB buffer is not grown by doubling.
+        out.reserve(self.encoded_results.bytes() + 4096);
+        out.push(b'[');
+        for (index, entry) in self.history.iter().enumerate() {
+            if index > 0 {
+                out.push(b',');
+            }
+            match (self.encoded_results.get(index), entry.as_object()) {
+                (Some(results), Some(fields)) => {
+                    out.push(b'{');
+                    for (i, (key, value)) in fields.iter().enumerate() {
+                        if i > 0 {
+                            out.push(b',');
+                        }
+                        serde_json::to_writer(&mut *out, key)?;
+                        out.push(b':');
+                        if key == "results" {
+                            out.extend_from_slice(results);
+                        } else {
+                            serde_json::to_writer(&mut *out, value)?;
+                        }
+                    }
+                    out.push(b'}');
+                }
+                _ => serde_json::to_writer(&mut *out, entry)?,
+            }
+        }
+        out.push(b']');
+        Ok(())
     }
 
     fn task_end_status(&self) -> proto_schemas::TaskStatus {
@@ -510,6 +619,7 @@ impl EventKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn task(state: TaskState) -> Task {
         Task {
@@ -542,7 +652,52 @@ mod tests {
             updated_ms: 0,
             next_seq: 1,
             handoffs: 0,
+            encoded_results: EncodedResults::default(),
         }
+    }
+
+    #[test]
+    fn a_task_end_written_from_kept_results_is_the_one_encoded_from_the_history() {
+        let mut t = task(TaskState::Completed);
+        // A large result (kept encoded) with characters that need escaping, then a small one.
+        let large: String = (0..40_000)
+            .map(|i| format!("\"{i:025}\"\n\u{e9}"))
+            .collect();
+        for (step, results) in [
+            json!([{ "result": { "png": large } }]),
+            json!([{ "ok": 1 }]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            t.encoded_results.keep(t.history.len(), &results);
+            t.history
+                .push(json!({ "step": step, "status": "completed", "results": results }));
+        }
+        assert!(t.encoded_results.get(0).is_some() && t.encoded_results.get(1).is_none());
+        t.result = Some(Value::Array(t.history.clone()));
+        let encoded = t.encode_task_end("r1").expect("encoded");
+        // Byte for byte what encoding the whole frame gives (but its timestamp).
+        let mut frame = t.task_end("r1");
+        let written: proto_schemas::ServerMessage =
+            serde_json::from_slice(&encoded).expect("a server frame");
+        frame.timestamp = written.timestamp.clone();
+        assert_eq!(encoded, serde_json::to_vec(&frame).expect("json"));
+        assert_eq!(
+            t.result,
+            Some(Value::Array(t.history.clone())),
+            "the result is given back"
+        );
+
+        let mut history = Vec::new();
+        t.write_history(&mut history).expect("history");
+        assert_eq!(history, serde_json::to_vec(&t.history).expect("json"));
+
+        // A result that is not the history is encoded as it is.
+        t.result = Some(json!({ "summary": "done" }));
+        let encoded = t.encode_task_end("r2").expect("encoded");
+        let written: serde_json::Value = serde_json::from_slice(&encoded).expect("json");
+        assert_eq!(written["result"], json!({ "summary": "done" }));
     }
 
     #[test]
