@@ -122,6 +122,7 @@ pub fn json_text<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, serd
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_values_json_length_is_told_against_a_limit() {
@@ -132,14 +133,13 @@ mod tests {
         // Escapes count: 10 quotes encode as 20 bytes and two more.
         assert!(json_len_reaches(&Value::String("\"".repeat(10)), 22));
         assert!(!json_len_reaches(&Value::String("\"".repeat(10)), 23));
-        let nested = serde_json::json!({ "results": [{ "png": "x".repeat(1000) }, null, 1.5] });
+        let nested = json!({ "results": [{ "png": "x".repeat(1000) }, null, 1.5] });
         let encoded = serde_json::to_string(&nested).expect("json").len();
         assert!(json_len_reaches(&nested, encoded));
         assert!(!json_len_reaches(&nested, encoded + 1));
         // A huge string is told at once.
         assert!(json_len_reaches(&text(50 << 20), 1 << 20));
     }
-    use serde_json::json;
 
     #[test]
     fn nul_is_replaced_everywhere_and_nothing_else_changes() {

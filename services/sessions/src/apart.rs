@@ -142,26 +142,27 @@ pub fn stored_history(
                 // Large results were encoded once, when they came.
                 let json = match kept.filter(|text| text.len() > APART_BYTES) {
                     Some(text) => text.clone(),
-                    None => bytes::Bytes::from(json_text(results).map_err(encode)?),
+                    None => {
+                        let json = json_text(results).map_err(encode)?;
+                        if json.len() <= APART_BYTES {
+                            entries.push(with_results(&rest, &json));
+                            continue;
+                        }
+                        bytes::Bytes::from(json)
+                    }
                 };
-                if json.len() <= APART_BYTES {
-                    // The text of a `String`, given back without a copy.
-                    String::from_utf8(Vec::from(json))
-                        .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
-                } else {
-                    let marker = Marker {
-                        term,
-                        parts: i32::try_from(json.len().div_ceil(PART_BYTES)).unwrap_or(i32::MAX),
-                        bytes: json.len() as i64,
-                    };
-                    bodies.push(Body {
-                        task_id: task.task_id.clone(),
-                        entry: index,
-                        marker,
-                        json,
-                    });
-                    marker_text(marker)
-                }
+                let marker = Marker {
+                    term,
+                    parts: i32::try_from(json.len().div_ceil(PART_BYTES)).unwrap_or(i32::MAX),
+                    bytes: json.len() as i64,
+                };
+                bodies.push(Body {
+                    task_id: task.task_id.clone(),
+                    entry: index,
+                    marker,
+                    json,
+                });
+                marker_text(marker)
             }
         };
         entries.push(with_results(&rest, &results));
