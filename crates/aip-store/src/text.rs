@@ -48,9 +48,34 @@ pub fn storable(value: &mut Value) {
 /// shorter than `limit` that way is encoded to count its escapes. (Encoding even part of one
 /// 90 MiB string scans all of it for characters to escape before writing any.)
 pub fn json_len_reaches(value: &Value, limit: usize) -> bool {
-    if unescaped_len(value, limit) >= limit {
-        return true;
+    unescaped_len(value, limit) >= limit || encoded_len_reaches(value, limit)
+}
+
+/// [`json_len_reaches`] for an array of `items`, without making it a `Value`.
+pub fn items_json_len_reaches(items: &[Value], limit: usize) -> bool {
+    unescaped_items_len(items, limit) >= limit || encoded_len_reaches(items, limit)
+}
+
+/// `value`'s JSON text, if it takes `limit` bytes or more and holds no escaped NUL (text that
+/// is stored as it is, see [`json_text`]). The buffer is sized from the strings' lengths up
+/// front: a 90 MiB value grown by doubling was copied at each step and every fresh page
+/// faulted in, which took longer than the encoding itself.
+pub fn large_json_text(value: &Value, limit: usize) -> Option<Vec<u8>> {
+    let at_least = unescaped_len(value, usize::MAX);
+    if at_least < limit && !encoded_len_reaches(value, limit) {
+        return None;
     }
+    // Room for a few escapes too.
+    let mut text = Vec::with_capacity(at_least + at_least / 64 + 64);
+    // A `Value` always encodes.
+    serde_json::to_writer(&mut text, value).ok()?;
+    memchr::memmem::find(&text, b"\\u0000")
+        .is_none()
+        .then_some(text)
+}
+
+/// Whether encoding `value` writes `limit` bytes or more (the encoding stops there).
+fn encoded_len_reaches<T: serde::Serialize + ?Sized>(value: &T, limit: usize) -> bool {
     struct Counter {
         counted: usize,
         limit: usize,
@@ -80,19 +105,8 @@ fn unescaped_len(value: &Value, limit: usize) -> usize {
         Value::Null | Value::Bool(_) => 4,
         Value::Number(_) => 1,
         Value::String(text) => text.len() + 2,
-        Value::Array(items) if items.is_empty() => 2,
+        Value::Array(items) => unescaped_items_len(items, limit),
         Value::Object(fields) if fields.is_empty() => 2,
-        Value::Array(items) => {
-            // `[`, then each item and the `,` or `]` after it.
-            let mut len = 1;
-            for item in items {
-                len += unescaped_len(item, limit.saturating_sub(len)) + 1;
-                if len >= limit {
-                    break;
-                }
-            }
-            len
-        }
         Value::Object(fields) => {
             // `{`, then each `"key":value` and the `,` or `}` after it.
             let mut len = 1;
@@ -105,6 +119,22 @@ fn unescaped_len(value: &Value, limit: usize) -> usize {
             len
         }
     }
+}
+
+/// [`unescaped_len`] of an array of `items`.
+fn unescaped_items_len(items: &[Value], limit: usize) -> usize {
+    if items.is_empty() {
+        return 2;
+    }
+    // `[`, then each item and the `,` or `]` after it.
+    let mut len = 1;
+    for item in items {
+        len += unescaped_len(item, limit.saturating_sub(len)) + 1;
+        if len >= limit {
+            break;
+        }
+    }
+    len
 }
 
 /// `value` as storable JSON text. (serde_json writes NUL as the escape `\u0000`, which jsonb

@@ -111,7 +111,7 @@ pub(crate) struct Registration {
 /// the client is built first, and the future owns only it. `slot` is the connection's place
 /// under the gateway's connection limit, given back when the client is dropped.
 pub fn serve(
-    socket: axum::extract::ws::WebSocket,
+    socket: crate::upgrade::Socket,
     state: Arc<AppState>,
     principal: Principal,
     slot: tokio::sync::OwnedSemaphorePermit,

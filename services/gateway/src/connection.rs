@@ -8,14 +8,20 @@
 
 use std::time::Duration;
 
-use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
+use bytes::Bytes;
 use flume::TrySendError;
 use futures::stream::SplitStream;
 use futures::{SinkExt, StreamExt};
 use proto_schemas::{ClientMessage, FrameError, ServerMessage, parse_client_frame};
 use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::error::CapacityError;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use crate::rate::ByteRate;
+use crate::upgrade::Socket;
 
 /// The upgrade handler in `lib.rs` hands each socket to this.
 pub use crate::client::serve;
@@ -48,6 +54,13 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// unread: dropping it then resets the connection, and a reset overtakes the ERROR and close
 /// frames still on their way to the client.
 const UNREAD_INPUT_HOLD: Duration = Duration::from_millis(500);
+
+/// A message larger than this is sent in fragments of this size (RFC 6455, section 5.4),
+/// which the client joins into the one message. Whole, it would be copied into the WebSocket
+/// library's write buffer at once and shifted forward after each partial write to the socket
+/// (time quadratic in its size), and the buffer would keep its size for the rest of the
+/// connection.
+pub(crate) const FRAGMENT_BYTES: usize = 256 * 1024;
 
 /// What the client sent, as far as the gateway cares.
 pub(crate) enum Inbound {
@@ -95,7 +108,7 @@ enum Outbound {
 
 /// Reads and writes the frames of one WebSocket.
 pub(crate) struct Connection {
-    stream: SplitStream<WebSocket>,
+    stream: SplitStream<Socket>,
     /// The outbound queue. A flume channel: it allocates room for frames only while they
     /// wait, where Tokio's allocates a block of 32 slots per channel up front (1.3 KiB of
     /// every idle connection's memory).
@@ -114,7 +127,7 @@ impl Connection {
     /// Starts the writer task; at most `queue` frames wait for it; reads at most
     /// `bytes_per_second` on average (0: no limit).
     pub(crate) fn new(
-        socket: WebSocket,
+        socket: Socket,
         queue: usize,
         max_frame_bytes: usize,
         bytes_per_second: u64,
@@ -146,7 +159,7 @@ impl Connection {
         let bytes = match &message {
             Message::Text(text) => text.len(),
             Message::Binary(data) | Message::Ping(data) | Message::Pong(data) => data.len(),
-            Message::Close(_) => 0,
+            Message::Close(_) | Message::Frame(_) => 0,
         };
         if self.byte_rate.charge(bytes) {
             metrics::counter!("aip_gateway_reads_paused_total", "reason" => "byte_rate")
@@ -167,7 +180,8 @@ impl Connection {
             }
             Message::Binary(_) => Some(Inbound::Binary),
             Message::Close(_) => None,
-            Message::Ping(_) | Message::Pong(_) => Some(Inbound::Control),
+            // Reading never yields a raw frame.
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Some(Inbound::Control),
         })
     }
 
@@ -177,19 +191,16 @@ impl Connection {
         self.byte_rate.paused_until().is_some()
     }
 
-    fn read_error(&mut self, e: axum::Error) -> ReadError {
-        let text = e.to_string();
-        // The WebSocket layer reports the size limit only in its message text.
-        if text.contains("Space limit exceeded")
-            || text.contains("too long")
-            || text.contains("too big")
-        {
-            self.input_left_unread = true;
-            return ReadError::TooLarge {
-                limit: self.max_frame_bytes,
-            };
+    fn read_error(&mut self, e: WsError) -> ReadError {
+        match e {
+            WsError::Capacity(CapacityError::MessageTooLong { .. }) => {
+                self.input_left_unread = true;
+                ReadError::TooLarge {
+                    limit: self.max_frame_bytes,
+                }
+            }
+            e => ReadError::Failed(e.to_string()),
         }
-        ReadError::Failed(text)
     }
 
     /// Queues a frame for the client. A frame that cannot be serialised (a bug) is logged
@@ -302,19 +313,22 @@ impl Connection {
 
 /// The writer task: writes what is queued, one flush (one write to the socket) for all
 /// frames queued at once, until a close is written, the socket fails or the queue closes.
-async fn write_queued(
-    mut sink: futures::stream::SplitSink<WebSocket, Message>,
-    queued: flume::Receiver<Outbound>,
-) {
+async fn write_queued<S>(mut sink: S, queued: flume::Receiver<Outbound>)
+where
+    S: futures::Sink<Message, Error = WsError> + Unpin,
+{
     'queue: while let Ok(first) = queued.recv_async().await {
         let mut next = Some(first);
         while let Some(item) = next {
             let fed = match item {
+                Outbound::Frame(text) if text.len() > FRAGMENT_BYTES => {
+                    feed_fragments(&mut sink, Bytes::from(text)).await
+                }
                 Outbound::Frame(text) => sink.feed(Message::Text(text)).await,
-                Outbound::Ping => sink.feed(Message::Ping(Default::default())).await,
+                Outbound::Ping => sink.feed(Message::Ping(Bytes::new())).await,
                 Outbound::Close(code, reason) => {
                     let frame = CloseFrame {
-                        code,
+                        code: code.into(),
                         reason: Utf8Bytes::from(reason),
                     };
                     if let Err(e) = sink.send(Message::Close(Some(frame))).await {
@@ -336,5 +350,110 @@ async fn write_queued(
     }
     if let Err(e) = sink.close().await {
         tracing::debug!("socket not closed cleanly: {e}");
+    }
+}
+
+/// Feeds a text message as fragments of [`FRAGMENT_BYTES`] (slices of it, not copies): a text
+/// frame, then continuation frames, the last one final. A fragment may end inside a UTF-8
+/// sequence; the client checks the text once joined.
+async fn feed_fragments<S>(sink: &mut S, text: Bytes) -> Result<(), WsError>
+where
+    S: futures::Sink<Message, Error = WsError> + Unpin,
+{
+    let mut start = 0;
+    while start < text.len() {
+        let end = text.len().min(start + FRAGMENT_BYTES);
+        let opcode = match start {
+            0 => OpCode::Data(Data::Text),
+            _ => OpCode::Data(Data::Continue),
+        };
+        let fragment = Frame::message(text.slice(start..end), opcode, end == text.len());
+        sink.feed(Message::Frame(fragment)).await?;
+        start = end;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_tungstenite::WebSocketStream;
+    use tokio_tungstenite::tungstenite::protocol::Role;
+
+    /// The frames in a server's bytes: (FIN, opcode, payload) each.
+    fn frames(mut bytes: &[u8]) -> Vec<(bool, u8, Vec<u8>)> {
+        let mut frames = Vec::new();
+        while !bytes.is_empty() {
+            let (fin, opcode) = (bytes[0] & 0x80 != 0, bytes[0] & 0x0f);
+            assert_eq!(bytes[1] & 0x80, 0, "a server's frames are not masked");
+            let (len, header) = match bytes[1] & 0x7f {
+                126 => (u16::from_be_bytes([bytes[2], bytes[3]]) as usize, 4),
+                127 => {
+                    let len: [u8; 8] = bytes[2..10].try_into().expect("8 bytes");
+                    (u64::from_be_bytes(len) as usize, 10)
+                }
+                len => (len as usize, 2),
+            };
+            frames.push((fin, opcode, bytes[header..header + len].to_vec()));
+            bytes = &bytes[header + len..];
+        }
+        frames
+    }
+
+    #[tokio::test]
+    async fn a_large_message_is_written_in_fragments_that_a_client_joins_whole() {
+        // Larger than two fragments, with a two-byte character across the first boundary.
+        let mut text = "a".repeat(FRAGMENT_BYTES - 1);
+        text.push('\u{e9}');
+        text.push_str(&"b".repeat(FRAGMENT_BYTES + 10));
+        let small = r#"{"type":"heartbeat"}"#;
+
+        let (server, mut wire) = tokio::io::duplex(64 * 1024);
+        let socket = WebSocketStream::from_raw_socket(server, Role::Server, None).await;
+        let (queue, queued) = flume::bounded(8);
+        let writer = tokio::spawn(write_queued(socket, queued));
+        queue
+            .send(Outbound::Frame(Utf8Bytes::from(text.clone())))
+            .expect("queued");
+        queue
+            .send(Outbound::Frame(Utf8Bytes::from(small)))
+            .expect("queued");
+        drop(queue);
+        let mut bytes = Vec::new();
+        wire.read_to_end(&mut bytes).await.expect("read");
+        writer.await.expect("the writer ends");
+
+        let written = frames(&bytes);
+        let shape: Vec<(bool, u8, usize)> = written
+            .iter()
+            .map(|(fin, opcode, payload)| (*fin, *opcode, payload.len()))
+            .collect();
+        assert_eq!(
+            shape[..4],
+            [
+                (false, 1, FRAGMENT_BYTES),
+                (false, 0, FRAGMENT_BYTES),
+                (true, 0, text.len() - 2 * FRAGMENT_BYTES),
+                // A small message is one frame, as before.
+                (true, 1, small.len()),
+            ]
+        );
+        assert_eq!(shape[4].1, 8, "then the close");
+
+        // A client reads the fragments as the one message, then the small one.
+        let (client, mut server_side) = tokio::io::duplex(64 * 1024);
+        let mut reader = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
+        let feeding = tokio::spawn(async move {
+            server_side.write_all(&bytes).await.expect("written");
+            server_side
+        });
+        for expected in [text.as_str(), small] {
+            match reader.next().await {
+                Some(Ok(Message::Text(got))) => assert!(got.as_str() == expected),
+                other => panic!("not the text message: {other:?}"),
+            }
+        }
+        drop(feeding.await);
     }
 }

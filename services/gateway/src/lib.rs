@@ -26,6 +26,7 @@ pub mod registrations;
 pub mod replies;
 pub mod settings;
 mod traces;
+pub mod upgrade;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -39,12 +40,13 @@ use aip_runtime::runner::{self, Shutdown};
 use aip_runtime::service::{ServiceName, ServiceSettings};
 use aip_store::Database;
 use axum::Router;
-use axum::extract::{Query, State, WebSocketUpgrade};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use proto_schemas::{ErrorBody, ErrorCode, Subjects};
 use tokio::sync::Semaphore;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -364,7 +366,7 @@ async fn websocket(
     State(state): State<Arc<AppState>>,
     Query(query): Query<HashMap<String, String>>,
     headers: HeaderMap,
-    upgrade: WebSocketUpgrade,
+    upgrade: upgrade::Upgrade,
 ) -> Response {
     if state.shutdown.is_cancelled() {
         return refuse(
@@ -406,12 +408,12 @@ async fn websocket(
     };
     let max = state.settings.gateway.max_frame_bytes;
     let tracker = state.tracker.clone();
-    upgrade
-        .max_message_size(max)
-        .max_frame_size(max)
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max))
         .read_buffer_size(READ_BUFFER_BYTES)
-        .write_buffer_size(WRITE_BUFFER_BYTES)
-        .on_upgrade(move |socket| {
-            tracker.track_future(connection::serve(socket, state, principal, permit))
-        })
+        .write_buffer_size(WRITE_BUFFER_BYTES);
+    upgrade.accept(config, move |socket| {
+        tracker.track_future(connection::serve(socket, state, principal, permit))
+    })
 }

@@ -128,7 +128,7 @@ pub fn notification(task: &Task, seq: i64) -> Option<NewCallback> {
     let payload = CallbackNotification {
         version: V1,
         task_id: task.task_id.clone(),
-        result: task.result.clone(),
+        result: task.result_value(),
         status,
         sent_to: CallbackTarget::from_stored(&target).shown().to_owned(),
         state: Some(state),

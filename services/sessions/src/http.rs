@@ -1416,7 +1416,7 @@ async fn ufo_task_result(
         return Ok(Json(UfoTaskResult::Pending));
     }
     Ok(Json(UfoTaskResult::Done {
-        result: task.result,
+        result: task.result_value(),
         state,
         session_id: task.task_id,
         error: task.error.map(|e| e.detail),

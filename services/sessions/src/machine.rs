@@ -32,7 +32,8 @@ use crate::planners::{PlanJob, Planned, PlannerError};
 use crate::settings::SessionSettings;
 use crate::store::{Batch, EventData, NewEvent, OutFrame, ProcessedHalf, TaskEndOf};
 use crate::task::{
-    Asker, EventKind, ExecutorRef, InvalidTransition, Question, Task, TaskError, Waiting, now_ms,
+    Asker, EventKind, ExecutorRef, InvalidTransition, Question, Task, TaskError, TaskResult,
+    Waiting, now_ms,
 };
 pub use crate::task::{Plan, Requester};
 use crate::tombstones::{Owner, Tombstones};
@@ -860,7 +861,7 @@ impl Machine {
                 self.apply_commands(task, step).map(|_| ())
             }
             Ok(PlanStep::Complete { result }) => {
-                let result = result.unwrap_or_else(|| Value::Array(task.history.clone()));
+                let result = TaskResult::planned(result);
                 self.finish(task, TaskState::Completed, Some(result), None)
             }
             Ok(PlanStep::Fail { error }) => {
@@ -1252,7 +1253,8 @@ impl Machine {
             Self::check_executor(task, inbound)?;
             core.applied(Some(msg_id));
             if frame.status == TaskStatus::Completed {
-                core.finish(task, TaskState::Completed, frame.result.clone(), None)
+                let result = frame.result.clone().map(TaskResult::Value);
+                core.finish(task, TaskState::Completed, result, None)
             } else {
                 let error = frame
                     .error
@@ -1261,7 +1263,7 @@ impl Machine {
                 core.finish(
                     task,
                     TaskState::Failed,
-                    frame.result.clone(),
+                    frame.result.clone().map(TaskResult::Value),
                     Some(TaskError::new(ErrorCode::CommandFailed, error)),
                 )
             }
@@ -1448,7 +1450,7 @@ impl Machine {
         };
         self.with_task(task_id, |core, task| {
             Self::driven_check(task)?;
-            core.finish(task, state, result, error)?;
+            core.finish(task, state, result.map(TaskResult::Value), error)?;
             Ok(task.clone())
         })
     }
@@ -1904,7 +1906,7 @@ impl Machine {
         &mut self,
         task: &mut Task,
         state: TaskState,
-        result: Option<Value>,
+        result: Option<TaskResult>,
         error: Option<TaskError>,
     ) -> Result<(), Refusal> {
         let was_running = task.state() != TaskState::Submitted;

@@ -23,7 +23,7 @@ use crate::apart;
 use crate::outbox::Grouped;
 use crate::task::{
     EventKind, ExecutorRef, Plan, PlannerKind, Question, Requester, RequesterKind, Task, TaskError,
-    Waiting,
+    TaskResult, Waiting,
 };
 pub use crate::task::{now_ms, rfc3339};
 
@@ -254,9 +254,9 @@ const COLUMNS: &[Column] = &[
         name: "result",
         kind: Kind::Json,
         mutable: true,
-        cell: |t| match result_is_history(t) {
-            true => Ok(Cell::Text(None)),
-            false => json(t.result.as_ref()),
+        cell: |t| match &t.result {
+            Some(TaskResult::Value(value)) => json(Some(value)),
+            Some(TaskResult::History) | None => Ok(Cell::Text(None)),
         },
     },
     Column {
@@ -351,7 +351,7 @@ const COLUMNS: &[Column] = &[
 /// keeps it once: `result` is NULL and `result_is_history` true. A 90 MiB screenshot in a
 /// command's results is then written to the row once, not twice.
 fn result_is_history(task: &Task) -> bool {
-    matches!(&task.result, Some(Value::Array(items)) if *items == task.history)
+    task.result == Some(TaskResult::History)
 }
 
 /// Event data and `task_end` frames at least this large that repeat what the task's row holds
@@ -392,11 +392,17 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
         EventData::Ended(fields) => {
             let mut stored = fields.clone();
             match &task.result {
-                Some(result) if is_large(result) && result_is_history(task) => {
+                Some(TaskResult::History) if history_is_large(&task.history) => {
                     stored.insert(HISTORY_REF.to_owned(), Value::from("all"));
                 }
-                result => {
-                    stored.insert("result".to_owned(), result.clone().unwrap_or(Value::Null));
+                Some(TaskResult::History) => {
+                    stored.insert("result".to_owned(), Value::Array(task.history.clone()));
+                }
+                Some(TaskResult::Value(value)) => {
+                    stored.insert("result".to_owned(), value.clone());
+                }
+                None => {
+                    stored.insert("result".to_owned(), Value::Null);
                 }
             }
             Some(Cow::Owned(Value::Object(stored)))
@@ -407,6 +413,11 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
 /// Whether `value` takes [`LARGE_VALUE_BYTES`] or more as JSON.
 fn is_large(value: &Value) -> bool {
     aip_store::text::json_len_reaches(value, LARGE_VALUE_BYTES)
+}
+
+/// Whether a history takes [`LARGE_VALUE_BYTES`] or more as JSON (an array).
+fn history_is_large(history: &[Value]) -> bool {
+    aip_store::text::items_json_len_reaches(history, LARGE_VALUE_BYTES)
 }
 
 /// Puts back what [`stored_event_data`] replaced by a reference to `history`.
@@ -772,8 +783,8 @@ impl TryFrom<TaskRecord> for Task {
             data: r.data.map(|j| j.0),
             required_capabilities: r.required_capabilities.0,
             result: match r.result_is_history {
-                true => Some(Value::Array(r.history.0.clone())),
-                false => r.result.map(|j| j.0),
+                true => Some(TaskResult::History),
+                false => r.result.map(|j| TaskResult::Value(j.0)),
             },
             history: r.history.0,
             task_id: r.task_id,

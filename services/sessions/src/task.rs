@@ -352,7 +352,7 @@ pub struct Task {
     /// Higher runs first when the executor is busy.
     pub priority: i32,
     /// Set when it completed (or failed with a result).
-    pub result: Option<Value>,
+    pub result: Option<TaskResult>,
     /// Set when it failed or was canceled.
     pub error: Option<TaskError>,
     /// Where to report the outcome.
@@ -378,6 +378,23 @@ pub struct Task {
     pub encoded_results: EncodedResults,
 }
 
+/// What an ended task gives back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TaskResult {
+    /// Its history: every step's commands and results (a scripted task's result). Named, not
+    /// copied: a 90 MiB screenshot in a step's results is held, compared and written once.
+    History,
+    /// A value of its own: a planner's summary, a REST completion, an executor's `task_end`.
+    Value(Value),
+}
+
+impl TaskResult {
+    /// The result planned: the value given, or else the history.
+    pub fn planned(value: Option<Value>) -> Self {
+        value.map_or(TaskResult::History, TaskResult::Value)
+    }
+}
+
 /// Results that take [`KEPT_ENCODED_BYTES`] or more as JSON are kept encoded.
 pub const KEPT_ENCODED_BYTES: usize = crate::apart::APART_BYTES;
 
@@ -399,13 +416,7 @@ impl PartialEq for EncodedResults {
 impl EncodedResults {
     /// Keeps the text of history entry `entry`'s results if they are large.
     pub fn keep(&mut self, entry: usize, results: &Value) {
-        if !aip_store::text::json_len_reaches(results, KEPT_ENCODED_BYTES) {
-            return;
-        }
-        // A `Value` always encodes.
-        if let Ok(text) = serde_json::to_string(results)
-            && !text.contains("\\u0000")
-        {
+        if let Some(text) = aip_store::text::large_json_text(results, KEPT_ENCODED_BYTES) {
             self.0.insert(entry, bytes::Bytes::from(text));
         }
     }
@@ -432,50 +443,55 @@ impl Task {
         proto_schemas::server::task_end(
             &self.task_id,
             self.task_end_status(),
-            self.result.clone(),
+            self.result_value(),
             self.error.as_ref().map(|e| e.detail.clone()),
             response_id,
         )
     }
 
-    /// [`Task::task_end`], encoded without copying the result (it is lent to the frame). A
-    /// result that is the history, with results kept encoded, is written from their text.
+    /// [`Task::task_end`], encoded without copying the result: a value is lent to the frame,
+    /// and the history is written in place, its large results from their kept text.
     pub fn encode_task_end(&mut self, response_id: &str) -> Result<Vec<u8>, serde_json::Error> {
-        let result = self.result.take();
+        let (value, history) = match self.result.take() {
+            Some(TaskResult::Value(value)) => (Some(value), false),
+            Some(TaskResult::History) => (None, true),
+            None => (None, false),
+        };
         let mut frame = proto_schemas::server::task_end(
             &self.task_id,
             self.task_end_status(),
-            result,
+            value,
             self.error.as_ref().map(|e| e.detail.clone()),
             response_id,
         );
-        let metadata = frame.metadata.is_some();
-        let spliced = frame
-            .result
-            .take_if(|result| !metadata && self.is_encoded_history(result));
-        let encoded = match spliced {
-            Some(result) => {
-                // Without `metadata`, `result` is the frame's last field; it has others.
-                let encoded = serde_json::to_vec(&frame).and_then(|mut out| {
-                    out.pop();
-                    out.extend_from_slice(br#","result":"#);
-                    self.write_history(&mut out)?;
-                    out.push(b'}');
-                    Ok(out)
-                });
-                frame.result = Some(result);
-                encoded
+        let encoded = if history && frame.metadata.is_none() {
+            // Without `metadata` and a result, the frame ends before where `result` goes.
+            serde_json::to_vec(&frame).and_then(|mut out| {
+                out.pop();
+                out.extend_from_slice(br#","result":"#);
+                self.write_history(&mut out)?;
+                out.push(b'}');
+                Ok(out)
+            })
+        } else {
+            if history {
+                frame.result = Some(Value::Array(self.history.clone()));
             }
-            None => serde_json::to_vec(&frame),
+            serde_json::to_vec(&frame)
         };
-        self.result = frame.result.take();
+        self.result = match history {
+            true => Some(TaskResult::History),
+            false => frame.result.take().map(TaskResult::Value),
+        };
         encoded
     }
 
-    /// Whether `result` is the history and some of its results are kept encoded.
-    fn is_encoded_history(&self, result: &Value) -> bool {
-        !self.encoded_results.is_empty()
-            && matches!(result, Value::Array(items) if *items == self.history)
+    /// The result as a value (the history copied, when it is the result).
+    pub fn result_value(&self) -> Option<Value> {
+        match self.result.as_ref()? {
+            TaskResult::History => Some(Value::Array(self.history.clone())),
+            TaskResult::Value(value) => Some(value.clone()),
+        }
     }
 
     /// Writes the history as JSON, as `serde_json` would, with the kept texts of its results.
@@ -547,7 +563,7 @@ impl Task {
             requester: self.requester.display(),
             executor_id: Some(self.executor.id.clone()),
             priority: self.priority,
-            result: self.result.clone(),
+            result: self.result_value(),
             error: self.error.as_ref().map(|e| e.detail.clone()),
             error_code: self.error.as_ref().map(|e| e.code),
             created_at: rfc3339(self.created_ms),
@@ -675,7 +691,7 @@ mod tests {
                 .push(json!({ "step": step, "status": "completed", "results": results }));
         }
         assert!(t.encoded_results.get(0).is_some() && t.encoded_results.get(1).is_none());
-        t.result = Some(Value::Array(t.history.clone()));
+        t.result = Some(TaskResult::History);
         let encoded = t.encode_task_end("r1").expect("encoded");
         // Byte for byte what encoding the whole frame gives (but its timestamp).
         let mut frame = t.task_end("r1");
@@ -685,7 +701,7 @@ mod tests {
         assert_eq!(encoded, serde_json::to_vec(&frame).expect("json"));
         assert_eq!(
             t.result,
-            Some(Value::Array(t.history.clone())),
+            Some(TaskResult::History),
             "the result is given back"
         );
 
@@ -694,7 +710,7 @@ mod tests {
         assert_eq!(history, serde_json::to_vec(&t.history).expect("json"));
 
         // A result that is not the history is encoded as it is.
-        t.result = Some(json!({ "summary": "done" }));
+        t.result = Some(TaskResult::Value(json!({ "summary": "done" })));
         let encoded = t.encode_task_end("r2").expect("encoded");
         let written: serde_json::Value = serde_json::from_slice(&encoded).expect("json");
         assert_eq!(written["result"], json!({ "summary": "done" }));

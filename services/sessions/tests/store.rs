@@ -1043,7 +1043,7 @@ async fn large_results_are_kept_apart_and_read_back_whole(backend: Backend) {
         json!({ "ok": true })
     );
     assert_eq!(
-        done.result,
+        done.result_value(),
         Some(serde_json::Value::Array(done.history.clone()))
     );
     let by_name = store
