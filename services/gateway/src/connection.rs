@@ -227,7 +227,12 @@ impl Connection {
 
     /// Queues a frame already serialised (a delivery, a prepared reply).
     pub(crate) fn write_text(&self, text: String) -> Result<(), WriteError> {
-        self.queue(Outbound::Frame(Utf8Bytes::from(text)))
+        self.write_utf8(Utf8Bytes::from(text))
+    }
+
+    /// Queues a frame already serialised, as the bytes it is in (a body read back).
+    pub(crate) fn write_utf8(&self, text: Utf8Bytes) -> Result<(), WriteError> {
+        self.queue(Outbound::Frame(text))
     }
 
     /// Queues a ping; the client's pong shows it still reads.

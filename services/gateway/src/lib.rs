@@ -11,6 +11,7 @@
 
 pub mod acks;
 pub mod auth;
+pub mod blob_reads;
 mod client;
 pub mod connection;
 pub mod deliveries;
@@ -74,6 +75,8 @@ pub struct AppState {
     pub frames: events::Frames,
     /// Where bodies too large for one bus message go.
     pub blobs: aip_bus::BlobStore,
+    /// Reads of large bodies shared by the deliveries that want one at once.
+    pub blob_reads: blob_reads::BlobReads,
     /// Where connections queue the acknowledgements of the frames they wrote.
     pub acks: acks::DeliveryAcks,
     /// Who may connect.
@@ -313,6 +316,7 @@ impl runner::Service for Application {
             settings,
             gateway_id,
             blobs: aip_bus::BlobStore::for_subjects(&subjects),
+            blob_reads: blob_reads::BlobReads::default(),
             acks: acks::DeliveryAcks::start(bus.clone()),
             peers,
             bus,

@@ -5,6 +5,7 @@
 use aip_bus::trace::Operation;
 use aip_bus::{Message as BusMessage, names};
 use proto_schemas::{ErrorCode, server};
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 
 use crate::client::{Client, End};
 use crate::connection::close;
@@ -45,10 +46,10 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         return Ok(());
     }
     let started = std::time::Instant::now();
-    let payload = match client
-        .state
-        .blobs
-        .payload_of(client.state.bus.as_ref(), &message)
+    let state = &client.state;
+    let payload = match state
+        .blob_reads
+        .payload_of(&state.bus, &state.blobs, &message)
         .await
     {
         Ok(payload) => payload,
@@ -67,14 +68,14 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
             "large delivery read back"
         );
     }
-    // Without a copy: the body read back is held only here.
-    match String::from_utf8(Vec::from(payload)) {
+    // Without a copy: the body read back (shared with other deliveries of it) is written.
+    match Utf8Bytes::try_from(payload) {
         Ok(text) => {
             metrics::counter!("aip_gateway_deliveries_total", "outcome" => "written").increment(1);
             let traced = aip_bus::trace::extract(&message.headers)
-                .map(|parent| written_span(client, &message.subject, parent, &text));
+                .map(|parent| written_span(client, &message.subject, parent, text.as_str()));
             let _entered = traced.as_ref().map(|span| span.enter());
-            client.connection.write_text(text)?
+            client.connection.write_utf8(text)?
         }
         Err(_) => {
             tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
