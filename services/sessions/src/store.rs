@@ -395,14 +395,11 @@ fn stored_event_data<'a>(event: &'a NewEvent, task: Option<&'a Task>) -> Option<
                 Some(TaskResult::History) if history_is_large(&task.history) => {
                     stored.insert(HISTORY_REF.to_owned(), Value::from("all"));
                 }
-                Some(TaskResult::History) => {
-                    stored.insert("result".to_owned(), Value::Array(task.history.clone()));
-                }
-                Some(TaskResult::Value(value)) => {
-                    stored.insert("result".to_owned(), value.clone());
-                }
-                None => {
-                    stored.insert("result".to_owned(), Value::Null);
+                _ => {
+                    stored.insert(
+                        "result".to_owned(),
+                        task.result_value().unwrap_or(Value::Null),
+                    );
                 }
             }
             Some(Cow::Owned(Value::Object(stored)))
