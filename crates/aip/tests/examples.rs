@@ -275,8 +275,14 @@ fn http_planner_plans_a_galaxy_task_in_aip_dev() {
             "{end}"
         );
     });
+    // The planner's output is read from its pipe by another thread: the second step's line
+    // may arrive just after the `task_end`.
+    let decisions = |out: &str| out.matches("\"decision\": ").count();
+    planner.wait_for_stdout("the second planned step", |out| {
+        (decisions(out) >= 2).then_some(())
+    });
     assert_eq!(
-        planner.stdout().matches("\"decision\": ").count(),
+        decisions(&planner.stdout()),
         2,
         "two signed steps were planned: {}",
         planner.output()
