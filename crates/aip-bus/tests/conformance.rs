@@ -383,6 +383,12 @@ async fn releases_held_messages(retention: aip_bus::Retention) {
     ];
     drop(dead);
     std::mem::forget(held);
+    let counted = aip_testkit::eventually_within(Duration::from_secs(3), "ack counted", || {
+        let stream = stream.clone();
+        async move { (ack_pending(&stream, "sessions").await == 2).then_some(()) }
+    })
+    .await;
+    assert!(counted.is_ok(), "{retention:?}: the first ack counted");
 
     let released = bus
         .release_pending(stream.clone(), "sessions".into())
@@ -409,6 +415,13 @@ async fn releases_held_messages(retention: aip_bus::Retention) {
         ["three", "two"],
         "{retention:?}: the acked one does not come back"
     );
+    // An ack is a message the server counts a moment later: wait until it has.
+    let counted = aip_testkit::eventually_within(Duration::from_secs(3), "acks counted", || {
+        let stream = stream.clone();
+        async move { (ack_pending(&stream, "sessions").await == 0).then_some(()) }
+    })
+    .await;
+    assert!(counted.is_ok(), "{retention:?}: the two acks counted");
     assert_eq!(
         bus.release_pending(stream.clone(), "sessions".into())
             .await
@@ -598,6 +611,25 @@ async fn stored(stream: &str) -> u64 {
         .await
         .expect("the stream");
     handle.info().await.expect("stream info").state.messages
+}
+
+/// How many messages the server counts as delivered to `consumer` and not yet acknowledged.
+async fn ack_pending(stream: &str, consumer: &str) -> usize {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let client = async_nats::connect(url).await.expect("NATS");
+    let handle = async_nats::jetstream::new(client)
+        .get_stream(stream)
+        .await
+        .expect("the stream");
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = handle
+        .get_consumer(consumer)
+        .await
+        .expect("the consumer");
+    consumer
+        .info()
+        .await
+        .expect("consumer info")
+        .num_ack_pending
 }
 
 #[tokio::test]
