@@ -6,7 +6,11 @@ before the task, right after it, and after a settling pause, to see whether memo
 
 Usage (bench/distributed.sh and bench/dev.sh run it with BENCH_COMMAND):
     bench/large_result.py --dir DIR --url ws://HOST:PORT/ws [--url ...] --rest URL --pid PID...
-        [--mib 90] [--runs 3] [--settle 10]
+        [--mib 90] [--runs 3] [--settle 10] [--keep-open]
+
+With --keep-open (or BENCH_LARGE_KEEP_OPEN=1) the device and constellation of every run stay
+connected until the RSS after the pause is read, as UFO's clients do between tasks: memory
+must be returned while the connections live on, not only when they close.
 
 Writes DIR/large-result.json. With two --url, the device is on the second gateway and the
 constellation on the first.
@@ -75,7 +79,7 @@ async def register(url, fields):
     return ws
 
 
-async def one_run(device_url, galaxy_url, mib, run, timeout):
+async def one_run(device_url, galaxy_url, mib, run, timeout, kept):
     tag = uuid.uuid4().hex[:8]
     device_id = f"large-{tag}-dev"
     galaxy_id = f"large-{tag}@{device_id}"
@@ -119,8 +123,11 @@ async def one_run(device_url, galaxy_url, mib, run, timeout):
     got = len(end["result"][0]["results"][0]["result"]["png_base64"])
     del end, results
     ok = got == mib * MIB
-    await device.close()
-    await galaxy.close()
+    if kept is None:
+        await device.close()
+        await galaxy.close()
+    else:
+        kept += [device, galaxy]
     return elapsed, ok
 
 
@@ -136,6 +143,8 @@ async def main():
     parser.add_argument("--runs", type=int, default=int(os.environ.get("BENCH_LARGE_RUNS", 3)))
     parser.add_argument("--settle", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--keep-open", action="store_true",
+                        default=os.environ.get("BENCH_LARGE_KEEP_OPEN") == "1")
     args = parser.parse_args()
     galaxy_url, device_url = args.url[0], args.url[-1]
 
@@ -143,8 +152,9 @@ async def main():
     before = {pid: rss_mib(pid) for pid in args.pid}
     runs = []
     peak = dict(before)
+    kept = [] if args.keep_open else None
     for run in range(args.runs):
-        elapsed, ok = await one_run(device_url, galaxy_url, args.mib, run, args.timeout)
+        elapsed, ok = await one_run(device_url, galaxy_url, args.mib, run, args.timeout, kept)
         for pid in args.pid:
             now = rss_mib(pid)
             if now is not None and (peak[pid] is None or now > peak[pid]):
@@ -155,8 +165,11 @@ async def main():
               f"{'' if ok else ' (RESULT INCOMPLETE)'}", file=sys.stderr)
     await asyncio.sleep(args.settle)
     after = {pid: rss_mib(pid) for pid in args.pid}
+    for ws in kept or []:
+        await ws.close()
     report = {
         "scenario": "large-result", "mode": args.mode, "mib": args.mib, "runs": runs,
+        "connections_kept_open": args.keep_open,
         "rss_mib": [{"pid": pid, "name": names[pid], "before": before[pid],
                      "peak_sampled": peak[pid], f"after_{args.settle:g}s": after[pid]}
                     for pid in args.pid],

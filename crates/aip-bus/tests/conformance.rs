@@ -621,10 +621,8 @@ async fn ack_pending(stream: &str, consumer: &str) -> usize {
         .get_stream(stream)
         .await
         .expect("the stream");
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = handle
-        .get_consumer(consumer)
-        .await
-        .expect("the consumer");
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        handle.get_consumer(consumer).await.expect("the consumer");
     consumer
         .info()
         .await

@@ -181,7 +181,7 @@ impl Client {
     }
 
     /// The first frame, within the registration deadline. Pings and pongs before it are
-    /// answered by the WebSocket layer; they are skipped here without moving the deadline
+    /// answered by the connection; they are skipped here without moving the deadline
     /// (a client that only pings is still closed at the deadline).
     async fn await_register(&mut self) -> Result<(FirstFrame, usize), End> {
         let timeout_ms = self.state.settings.gateway.register_timeout_ms;
@@ -319,13 +319,17 @@ impl Client {
     }
 
     fn read_failed(&mut self, e: ReadError) -> End {
-        if let ReadError::TooLarge { .. } = e {
-            let text = e.to_string();
-            self.connection.write_last(
-                &server::error(ErrorCode::FrameTooLarge, &text),
-                close::TOO_BIG,
-                &text,
-            );
+        match &e {
+            ReadError::TooLarge { .. } => {
+                let text = e.to_string();
+                self.connection.write_last(
+                    &server::error(ErrorCode::FrameTooLarge, &text),
+                    close::TOO_BIG,
+                    &text,
+                );
+            }
+            ReadError::Violation { code, reason } => self.connection.close(*code, reason),
+            ReadError::Failed(_) => {}
         }
         End::Read(e)
     }

@@ -10,18 +10,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use flume::TrySendError;
-use futures::stream::SplitStream;
-use futures::{SinkExt, StreamExt};
 use proto_schemas::{ClientMessage, FrameError, ServerMessage, parse_client_frame};
+use tokio::io::{AsyncWrite, ReadHalf};
 use tokio::task::JoinHandle;
-use tokio_tungstenite::tungstenite::error::CapacityError;
-use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use tokio_tungstenite::tungstenite::protocol::frame::Frame;
-use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
-use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
+use tokio_tungstenite::tungstenite::Utf8Bytes;
 
 use crate::rate::ByteRate;
 use crate::upgrade::Socket;
+use crate::websocket::{FrameReader, FrameWriter, Incoming, OpCode, ReadFailure};
 
 /// The upgrade handler in `lib.rs` hands each socket to this.
 pub use crate::client::serve;
@@ -55,13 +51,6 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// frames still on their way to the client.
 const UNREAD_INPUT_HOLD: Duration = Duration::from_millis(500);
 
-/// A message larger than this is sent in fragments of this size (RFC 6455, section 5.4),
-/// which the client joins into the one message. Whole, it would be copied into the WebSocket
-/// library's write buffer at once and shifted forward after each partial write to the socket
-/// (time quadratic in its size), and the buffer would keep its size for the rest of the
-/// connection.
-pub(crate) const FRAGMENT_BYTES: usize = 256 * 1024;
-
 /// What the client sent, as far as the gateway cares.
 pub(crate) enum Inbound {
     /// A text frame, parsed and checked (or why it is not a valid AIP frame). Boxed: a
@@ -73,7 +62,7 @@ pub(crate) enum Inbound {
     },
     /// AIP frames are JSON text; a binary frame is answered with an error.
     Binary,
-    /// The WebSocket layer answers pings itself; a ping or pong is a sign of life only.
+    /// A ping (answered here) or a pong: a sign of life only.
     Control,
 }
 
@@ -83,7 +72,10 @@ pub(crate) enum ReadError {
     /// The client sent more than the configured frame size.
     #[error("frame larger than the limit of {limit} bytes")]
     TooLarge { limit: usize },
-    /// The socket failed (reset, protocol violation at the WebSocket level).
+    /// The client broke the WebSocket protocol; `code` is the close code that says so.
+    #[error("WebSocket protocol violation: {reason}")]
+    Violation { code: u16, reason: &'static str },
+    /// The socket failed or ended inside a frame.
     #[error("read failed: {0}")]
     Failed(String),
 }
@@ -103,12 +95,14 @@ pub(crate) enum WriteError {
 enum Outbound {
     Frame(Utf8Bytes),
     Ping,
-    Close(u16, String),
+    Pong(Bytes),
+    /// The close frame, with its code and reason (none: an empty close frame).
+    Close(Option<(u16, String)>),
 }
 
 /// Reads and writes the frames of one WebSocket.
 pub(crate) struct Connection {
-    stream: SplitStream<Socket>,
+    reader: FrameReader<ReadHalf<Socket>>,
     /// The outbound queue. A flume channel: it allocates room for frames only while they
     /// wait, where Tokio's allocates a block of 32 slots per channel up front (1.3 KiB of
     /// every idle connection's memory).
@@ -119,6 +113,8 @@ pub(crate) struct Connection {
     /// Set when the rest of an oversized frame is left unread (the socket cannot be drained),
     /// so that the close is given time to arrive.
     input_left_unread: bool,
+    /// Set once the client's close frame is read (and answered).
+    peer_closed: bool,
     /// Bytes per second read from the socket: reading pauses while over it.
     byte_rate: ByteRate,
 }
@@ -132,14 +128,15 @@ impl Connection {
         max_frame_bytes: usize,
         bytes_per_second: u64,
     ) -> Self {
-        let (sink, stream) = socket.split();
+        let (read, write) = tokio::io::split(socket);
         let (out, queued) = flume::bounded(queue);
         Connection {
-            stream,
+            reader: FrameReader::new(read, max_frame_bytes),
             out,
-            writer: tokio::spawn(write_queued(sink, queued)),
+            writer: tokio::spawn(write_queued(write, queued)),
             max_frame_bytes,
             input_left_unread: false,
+            peer_closed: false,
             byte_rate: ByteRate::new(bytes_per_second),
         }
     }
@@ -151,24 +148,23 @@ impl Connection {
         if let Some(until) = self.byte_rate.paused_until() {
             tokio::time::sleep_until(until).await;
         }
-        let message = match self.stream.next().await {
-            None => return Ok(None),
-            Some(Err(e)) => return Err(self.read_error(e)),
-            Some(Ok(message)) => message,
+        let message = match self.reader.next().await {
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(self.read_error(e)),
+            Ok(Some(message)) => message,
         };
         let bytes = match &message {
-            Message::Text(text) => text.len(),
-            Message::Binary(data) | Message::Ping(data) | Message::Pong(data) => data.len(),
-            Message::Close(_) | Message::Frame(_) => 0,
+            Incoming::Text(data) | Incoming::Binary(data) | Incoming::Ping(data) => data.len(),
+            Incoming::Pong | Incoming::Close(_) => 0,
         };
         if self.byte_rate.charge(bytes) {
             metrics::counter!("aip_gateway_reads_paused_total", "reason" => "byte_rate")
                 .increment(1);
         }
         Ok(match message {
-            Message::Text(text) => {
+            Incoming::Text(text) => {
                 let started = std::time::Instant::now();
-                let frame = parse_client_frame(text.as_bytes()).map(Box::new);
+                let frame = parse_client_frame(&text).map(Box::new);
                 if bytes >= crate::client::LARGE_FRAME_BYTES {
                     tracing::debug!(
                         bytes,
@@ -178,10 +174,19 @@ impl Connection {
                 }
                 Some(Inbound::Frame { frame, bytes })
             }
-            Message::Binary(_) => Some(Inbound::Binary),
-            Message::Close(_) => None,
-            // Reading never yields a raw frame.
-            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Some(Inbound::Control),
+            Incoming::Binary(_) => Some(Inbound::Binary),
+            Incoming::Ping(payload) => {
+                // A pong that finds the queue full is not needed: the queue full closes.
+                let _ = self.out.try_send(Outbound::Pong(payload));
+                Some(Inbound::Control)
+            }
+            Incoming::Pong => Some(Inbound::Control),
+            Incoming::Close(close) => {
+                // Answered with the client's own code (RFC 6455, section 5.5.1).
+                self.peer_closed = true;
+                self.queue_close(close.map(|(code, _)| (code, String::new())));
+                None
+            }
         })
     }
 
@@ -191,15 +196,16 @@ impl Connection {
         self.byte_rate.paused_until().is_some()
     }
 
-    fn read_error(&mut self, e: WsError) -> ReadError {
+    fn read_error(&mut self, e: ReadFailure) -> ReadError {
         match e {
-            WsError::Capacity(CapacityError::MessageTooLong { .. }) => {
+            ReadFailure::TooLarge { .. } => {
                 self.input_left_unread = true;
                 ReadError::TooLarge {
                     limit: self.max_frame_bytes,
                 }
             }
-            e => ReadError::Failed(e.to_string()),
+            ReadFailure::Violation { code, reason } => ReadError::Violation { code, reason },
+            e @ (ReadFailure::Truncated | ReadFailure::Io(_)) => ReadError::Failed(e.to_string()),
         }
     }
 
@@ -256,16 +262,18 @@ impl Connection {
     /// Queues the close frame. It must get through even when the queue is full, so it waits
     /// (in its own task) up to [`CLOSE_QUEUE_WAIT`] for room.
     pub(crate) fn close(&self, code: u16, reason: &str) {
+        self.queue_close(Some((code, reason.to_owned())));
+    }
+
+    fn queue_close(&self, close: Option<(u16, String)>) {
         let out = self.out.clone();
-        let reason = reason.to_owned();
         tokio::spawn(async move {
-            let queued = tokio::time::timeout(
-                CLOSE_QUEUE_WAIT,
-                out.send_async(Outbound::Close(code, reason)),
-            )
-            .await;
+            let code = close.as_ref().map(|(code, _)| *code);
+            let queued =
+                tokio::time::timeout(CLOSE_QUEUE_WAIT, out.send_async(Outbound::Close(close)))
+                    .await;
             if !matches!(queued, Ok(Ok(()))) {
-                tracing::debug!(code, "close frame not queued: the socket is gone or full");
+                tracing::debug!(?code, "close frame not queued: the socket is gone or full");
             }
         });
     }
@@ -287,20 +295,21 @@ impl Connection {
     /// Without `await_answer` (the gateway shuts down) the close is sent but not awaited.
     pub(crate) async fn finish(self, await_answer: bool) {
         let Connection {
-            mut stream,
+            mut reader,
             out,
             mut writer,
             input_left_unread,
+            peer_closed,
             ..
         } = self;
         // The writer ends once the queue is empty and every sender is gone.
         drop(out);
         let drain = async {
-            if !await_answer {
+            if !await_answer || peer_closed {
                 return;
             }
-            while let Some(Ok(message)) = stream.next().await {
-                if let Message::Close(_) = message {
+            while let Ok(Some(message)) = reader.next().await {
+                if let Incoming::Close(_) = message {
                     break;
                 }
             }
@@ -317,148 +326,45 @@ impl Connection {
 }
 
 /// The writer task: writes what is queued, one flush (one write to the socket) for all
-/// frames queued at once, until a close is written, the socket fails or the queue closes.
-async fn write_queued<S>(mut sink: S, queued: flume::Receiver<Outbound>)
-where
-    S: futures::Sink<Message, Error = WsError> + Unpin,
-{
+/// frames queued at once, until a close is written, the socket fails or the queue closes;
+/// then ends the sending side (after an empty close frame if none was written).
+async fn write_queued<W: AsyncWrite + Unpin>(io: W, queued: flume::Receiver<Outbound>) {
+    let mut writer = FrameWriter::new(io);
+    let mut close_written = false;
     'queue: while let Ok(first) = queued.recv_async().await {
         let mut next = Some(first);
         while let Some(item) = next {
-            let fed = match item {
-                Outbound::Frame(text) if text.len() > FRAGMENT_BYTES => {
-                    feed_fragments(&mut sink, Bytes::from(text)).await
-                }
-                Outbound::Frame(text) => sink.feed(Message::Text(text)).await,
-                Outbound::Ping => sink.feed(Message::Ping(Bytes::new())).await,
-                Outbound::Close(code, reason) => {
-                    let frame = CloseFrame {
-                        code: code.into(),
-                        reason: Utf8Bytes::from(reason),
-                    };
-                    if let Err(e) = sink.send(Message::Close(Some(frame))).await {
+            let added = match item {
+                Outbound::Frame(text) => writer.frame(OpCode::Text, text.as_bytes()).await,
+                Outbound::Ping => writer.frame(OpCode::Ping, &[]).await,
+                Outbound::Pong(payload) => writer.frame(OpCode::Pong, &payload).await,
+                Outbound::Close(close) => {
+                    close_written = true;
+                    let close = close
+                        .as_ref()
+                        .map(|(code, reason)| (*code, reason.as_str()));
+                    if let Err(e) = writer.close(close).await {
                         tracing::debug!("close frame not written: {e}");
                     }
                     break 'queue;
                 }
             };
-            if let Err(e) = fed {
+            if let Err(e) = added {
                 tracing::debug!("write to the socket failed: {e}");
-                break 'queue;
+                return;
             }
             next = queued.try_recv().ok();
         }
-        if let Err(e) = sink.flush().await {
+        if let Err(e) = writer.flush().await {
             tracing::debug!("write to the socket failed: {e}");
-            break;
+            return;
         }
     }
-    if let Err(e) = sink.close().await {
+    if !close_written && let Err(e) = writer.close(None).await {
+        tracing::debug!("close frame not written: {e}");
+        return;
+    }
+    if let Err(e) = writer.shutdown().await {
         tracing::debug!("socket not closed cleanly: {e}");
-    }
-}
-
-/// Feeds a text message as fragments of [`FRAGMENT_BYTES`] (slices of it, not copies): a text
-/// frame, then continuation frames, the last one final. A fragment may end inside a UTF-8
-/// sequence; the client checks the text once joined.
-async fn feed_fragments<S>(sink: &mut S, text: Bytes) -> Result<(), WsError>
-where
-    S: futures::Sink<Message, Error = WsError> + Unpin,
-{
-    let mut start = 0;
-    while start < text.len() {
-        let end = text.len().min(start + FRAGMENT_BYTES);
-        let opcode = match start {
-            0 => OpCode::Data(Data::Text),
-            _ => OpCode::Data(Data::Continue),
-        };
-        let fragment = Frame::message(text.slice(start..end), opcode, end == text.len());
-        sink.feed(Message::Frame(fragment)).await?;
-        start = end;
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_tungstenite::WebSocketStream;
-    use tokio_tungstenite::tungstenite::protocol::Role;
-
-    /// The frames in a server's bytes: (FIN, opcode, payload) each.
-    fn frames(mut bytes: &[u8]) -> Vec<(bool, u8, Vec<u8>)> {
-        let mut frames = Vec::new();
-        while !bytes.is_empty() {
-            let (fin, opcode) = (bytes[0] & 0x80 != 0, bytes[0] & 0x0f);
-            assert_eq!(bytes[1] & 0x80, 0, "a server's frames are not masked");
-            let (len, header) = match bytes[1] & 0x7f {
-                126 => (u16::from_be_bytes([bytes[2], bytes[3]]) as usize, 4),
-                127 => {
-                    let len: [u8; 8] = bytes[2..10].try_into().expect("8 bytes");
-                    (u64::from_be_bytes(len) as usize, 10)
-                }
-                len => (len as usize, 2),
-            };
-            frames.push((fin, opcode, bytes[header..header + len].to_vec()));
-            bytes = &bytes[header + len..];
-        }
-        frames
-    }
-
-    #[tokio::test]
-    async fn a_large_message_is_written_in_fragments_that_a_client_joins_whole() {
-        // Larger than two fragments, with a two-byte character across the first boundary.
-        let mut text = "a".repeat(FRAGMENT_BYTES - 1);
-        text.push('\u{e9}');
-        text.push_str(&"b".repeat(FRAGMENT_BYTES + 10));
-        let small = r#"{"type":"heartbeat"}"#;
-
-        let (server, mut wire) = tokio::io::duplex(64 * 1024);
-        let socket = WebSocketStream::from_raw_socket(server, Role::Server, None).await;
-        let (queue, queued) = flume::bounded(8);
-        let writer = tokio::spawn(write_queued(socket, queued));
-        queue
-            .send(Outbound::Frame(Utf8Bytes::from(text.clone())))
-            .expect("queued");
-        queue
-            .send(Outbound::Frame(Utf8Bytes::from(small)))
-            .expect("queued");
-        drop(queue);
-        let mut bytes = Vec::new();
-        wire.read_to_end(&mut bytes).await.expect("read");
-        writer.await.expect("the writer ends");
-
-        let written = frames(&bytes);
-        let shape: Vec<(bool, u8, usize)> = written
-            .iter()
-            .map(|(fin, opcode, payload)| (*fin, *opcode, payload.len()))
-            .collect();
-        assert_eq!(
-            shape[..4],
-            [
-                (false, 1, FRAGMENT_BYTES),
-                (false, 0, FRAGMENT_BYTES),
-                (true, 0, text.len() - 2 * FRAGMENT_BYTES),
-                // A small message is one frame, as before.
-                (true, 1, small.len()),
-            ]
-        );
-        assert_eq!(shape[4].1, 8, "then the close");
-
-        // A client reads the fragments as the one message, then the small one.
-        let (client, mut server_side) = tokio::io::duplex(64 * 1024);
-        let mut reader = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
-        let feeding = tokio::spawn(async move {
-            server_side.write_all(&bytes).await.expect("written");
-            server_side
-        });
-        for expected in [text.as_str(), small] {
-            match reader.next().await {
-                Some(Ok(Message::Text(got))) => assert!(got.as_str() == expected),
-                other => panic!("not the text message: {other:?}"),
-            }
-        }
-        drop(feeding.await);
     }
 }

@@ -28,6 +28,7 @@ pub mod replies;
 pub mod settings;
 mod traces;
 pub mod upgrade;
+mod websocket;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -47,7 +48,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use proto_schemas::{ErrorBody, ErrorCode, Subjects};
 use tokio::sync::Semaphore;
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -356,15 +356,6 @@ fn refuse(status: StatusCode, code: ErrorCode, detail: impl Into<String>) -> Res
     (status, axum::Json(ErrorBody::new(code, detail))).into_response()
 }
 
-/// Bytes read from a socket at a time. The WebSocket layer zeroes and keeps this much per
-/// connection (its default, 128 KiB, was most of an idle connection's memory); AIP frames are
-/// mostly far smaller, and a larger frame grows the buffer to its size while it is read.
-const READ_BUFFER_BYTES: usize = 1024;
-
-/// Frames queued for one socket are written once they reach this size, or at the writer's
-/// flush after its queue runs empty, whichever comes first.
-const WRITE_BUFFER_BYTES: usize = 16 * 1024;
-
 /// The handshake: authenticate, admit within the connection limit, upgrade.
 async fn websocket(
     State(state): State<Arc<AppState>>,
@@ -410,14 +401,8 @@ async fn websocket(
             ),
         );
     };
-    let max = state.settings.gateway.max_frame_bytes;
     let tracker = state.tracker.clone();
-    let config = WebSocketConfig::default()
-        .max_message_size(Some(max))
-        .max_frame_size(Some(max))
-        .read_buffer_size(READ_BUFFER_BYTES)
-        .write_buffer_size(WRITE_BUFFER_BYTES);
-    upgrade.accept(config, move |socket| {
+    upgrade.accept(move |socket| {
         tracker.track_future(connection::serve(socket, state, principal, permit))
     })
 }

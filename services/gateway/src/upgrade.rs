@@ -1,12 +1,8 @@
 //! The WebSocket opening handshake (RFC 6455, section 4.2), answered by the gateway.
 //!
-//! The socket it yields is tokio-tungstenite's own stream, not axum's wrapper around it:
-//! axum's `WebSocket` sends a message only whole, and the WebSocket library writes a whole
-//! message by copying it into one buffer that it shifts forward after every partial write
-//! to the socket. For a 90 MiB `task_end` that was most of the gateway's time on the task
-//! (hundreds of milliseconds of `memmove`), and the buffer stayed at 90 MiB for the rest of
-//! the connection. With the stream itself, [`crate::connection`] sends a large message in
-//! fragments ([`crate::connection::FRAGMENT_BYTES`]), which every WebSocket client joins.
+//! The socket it yields is the upgraded connection itself: [`crate::websocket`] reads and
+//! writes its frames (axum's `WebSocket` and the library under it keep a large message's
+//! buffer for the rest of the connection, and copy every message they write).
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
@@ -15,12 +11,10 @@ use axum::response::{IntoResponse, Response};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use proto_schemas::{ErrorBody, ErrorCode};
-use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
-/// An upgraded connection's WebSocket.
-pub type Socket = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
+/// An upgraded connection, on which WebSocket frames follow.
+pub type Socket = TokioIo<hyper::upgrade::Upgraded>;
 
 /// A request to open a WebSocket, checked: answer it with [`Upgrade::accept`].
 pub struct Upgrade {
@@ -95,7 +89,7 @@ impl Upgrade {
 
     /// Answers the handshake (`101 Switching Protocols`) and, once the connection is
     /// upgraded, hands its socket to `serve` in a task of its own.
-    pub fn accept<F, Fut>(self, config: WebSocketConfig, serve: F) -> Response
+    pub fn accept<F, Fut>(self, serve: F) -> Response
     where
         F: FnOnce(Socket) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
@@ -103,15 +97,7 @@ impl Upgrade {
         let Upgrade { accept, on_upgrade } = self;
         tokio::spawn(async move {
             match on_upgrade.await {
-                Ok(upgraded) => {
-                    let socket = WebSocketStream::from_raw_socket(
-                        TokioIo::new(upgraded),
-                        Role::Server,
-                        Some(config),
-                    )
-                    .await;
-                    serve(socket).await;
-                }
+                Ok(upgraded) => serve(TokioIo::new(upgraded)).await,
                 Err(e) => tracing::debug!("the WebSocket upgrade did not complete: {e}"),
             }
         });
