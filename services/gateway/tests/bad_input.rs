@@ -390,3 +390,61 @@ async fn a_flood_of_pings_before_register_is_harmless(backend: Backend) {
     stack.stop().await;
 }
 both_backends!(a_flood_of_pings_before_register_is_harmless);
+
+/// The gateway's own WebSocket framing: a REGISTER sent in fragments (with a ping between
+/// them) is joined and answered; text that is not UTF-8 and an unmasked frame are closed with
+/// the codes RFC 6455 names (1007, 1002), and other clients carry on.
+async fn websocket_frames_are_joined_and_checked(backend: Backend) {
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+
+    let stack = Stack::start(backend, options()).await.expect("stack");
+    let url = stack.ws_url(0);
+    let mut good = registered(&url, &device_register("good", "windows")).await;
+
+    let mut fragmented = Ws::connect(&url).await;
+    let register = device_register("fragmented", "linux").to_string();
+    let (head, tail) = register.split_at(register.len() / 2);
+    for message in [
+        Message::Frame(Frame::message(
+            head.to_owned(),
+            OpCode::Data(Data::Text),
+            false,
+        )),
+        Message::Ping(Default::default()),
+        Message::Frame(Frame::message(
+            tail.to_owned(),
+            OpCode::Data(Data::Continue),
+            true,
+        )),
+    ] {
+        fragmented.try_send(message).await.expect("sent");
+    }
+    common::assert_registration_answer(&fragmented.recv().await.expect("registered"));
+    fragmented.heartbeat("fragmented", "device").await;
+
+    let mut garbled = registered(&url, &device_register("garbled", "linux")).await;
+    garbled
+        .try_send(Message::Frame(Frame::message(
+            vec![b'{', 0xff, 0xfe, b'}'],
+            OpCode::Data(Data::Text),
+            true,
+        )))
+        .await
+        .expect("sent");
+    let closed = garbled.closed().await;
+    assert_eq!(closed.code, Some(1007), "{closed:?}");
+
+    // An unmasked frame, written on a raw socket after the handshake.
+    let mut raw = common::raw_handshake(&url).await;
+    tokio::io::AsyncWriteExt::write_all(&mut raw, &[0x81, 0x02, b'{', b'}'])
+        .await
+        .expect("written");
+    let closing = common::read_close_code(&mut raw).await;
+    assert_eq!(closing, Some(1002));
+
+    good.heartbeat("good", "device").await;
+    fragmented.heartbeat("fragmented", "device").await;
+    stack.stop().await;
+}
+both_backends!(websocket_frames_are_joined_and_checked);

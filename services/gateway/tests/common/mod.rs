@@ -414,3 +414,57 @@ pub async fn custom_gateway(
         .await
         .expect("the gateway builds")
 }
+
+/// A TCP connection to `url` (`ws://host:port/path`) after a WebSocket handshake made by
+/// hand, for frames no WebSocket client would send.
+#[allow(dead_code)]
+pub async fn raw_handshake(url: &str) -> TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("ws://").expect("a ws:// URL");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut tcp = TcpStream::connect(host)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to {host}: {e}"));
+    let request = format!(
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    tcp.write_all(request.as_bytes()).await.expect("sent");
+    // The response head, byte by byte so that nothing after it is taken.
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let byte = tcp.read_u8().await.expect("a response");
+        head.push(byte);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 101"), "not upgraded: {head}");
+    tcp
+}
+
+/// Reads the server's frames until its close frame: the close code (`None` if the frame has
+/// none, or the connection ends first).
+#[allow(dead_code)]
+pub async fn read_close_code(tcp: &mut TcpStream) -> Option<u16> {
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        loop {
+            let mut head = [0u8; 2];
+            tcp.read_exact(&mut head).await.ok()?;
+            let len = match head[1] & 0x7f {
+                126 => usize::from(tcp.read_u16().await.ok()?),
+                127 => usize::try_from(tcp.read_u64().await.ok()?).ok()?,
+                len => usize::from(len),
+            };
+            let mut payload = vec![0u8; len];
+            tcp.read_exact(&mut payload).await.ok()?;
+            if head[0] & 0x0f == 0x8 {
+                return payload
+                    .get(..2)
+                    .map(|code| u16::from_be_bytes([code[0], code[1]]));
+            }
+        }
+    };
+    tokio::time::timeout(aip_testkit::WAIT, read)
+        .await
+        .expect("the server closes within the wait")
+}
