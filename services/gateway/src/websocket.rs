@@ -21,8 +21,9 @@ use bytes::Bytes;
 use sync_wrapper::SyncWrapper;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Bytes read from the socket at a time into the read buffer, and the size that buffer keeps.
-/// AIP frames are mostly far smaller; a larger frame is read into a buffer of its own.
+/// Bytes read from the socket at a time into the read buffer (which is let go whenever a
+/// message is read and nothing more is buffered). AIP frames are mostly far smaller; a larger
+/// frame is read into a buffer of its own.
 pub(crate) const READ_BUFFER_BYTES: usize = 1024;
 
 /// The close code for a protocol violation.
@@ -209,12 +210,17 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             };
             unmask(&mut payload, header.mask);
             if let Some(message) = self.complete(header, payload)? {
+                if self.start == self.buf.len() {
+                    // Nothing left to parse: an idle connection holds no read buffer.
+                    self.buf = Vec::new();
+                    self.start = 0;
+                }
                 return Ok(Some(message));
             }
         }
     }
 
-    /// The capacity of the read buffer (what an idle connection keeps).
+    /// The capacity of the read buffer.
     #[cfg(test)]
     fn buffered_capacity(&self) -> usize {
         self.buf.capacity()
@@ -303,9 +309,6 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         if self.start == self.buf.len() {
             self.buf.clear();
             self.start = 0;
-            if self.buf.capacity() > READ_BUFFER_BYTES {
-                self.buf = Vec::new();
-            }
         } else if self.start > 0 {
             self.buf.drain(..self.start);
             self.start = 0;
@@ -591,6 +594,14 @@ mod tests {
         let mut got = Vec::new();
         for _ in 0..7 {
             got.push(reader.next().await.expect("read").expect("a message"));
+            // A large frame is read into a buffer of its own and handed over: the read
+            // buffer never grows past its size.
+            assert!(
+                reader.buffered_capacity() <= READ_BUFFER_BYTES,
+                "read buffer of {} bytes after {:?}",
+                reader.buffered_capacity(),
+                got.last().map(std::mem::discriminant)
+            );
         }
         let (_client, large) = sending.await.expect("client");
         assert_eq!(
@@ -605,13 +616,8 @@ mod tests {
                 Incoming::Close(Some((1000, "bye".to_owned()))),
             ]
         );
-        // The large frame was read into a buffer of its own, handed over: the read buffer
-        // kept its size.
-        assert!(
-            reader.buffered_capacity() <= READ_BUFFER_BYTES,
-            "read buffer of {} bytes after a large frame",
-            reader.buffered_capacity()
-        );
+        // Everything read: the reader holds no buffer while the connection is idle.
+        assert_eq!(reader.buffered_capacity(), 0);
     }
 
     #[tokio::test]
