@@ -9,8 +9,9 @@ Usage (bench/distributed.sh and bench/dev.sh run it with BENCH_COMMAND):
         [--mib 90] [--runs 3] [--settle 10] [--keep-open]
 
 With --keep-open (or BENCH_LARGE_KEEP_OPEN=1) the device and constellation of every run stay
-connected until the RSS after the pause is read, as UFO's clients do between tasks: memory
-must be returned while the connections live on, not only when they close.
+connected until the RSS after the pause is read, as UFO's clients do between tasks (the device
+reads its own task_end first, as UFO's does): memory must be returned while the connections
+live on, not only when they close.
 
 Writes DIR/large-result.json. With two --url, the device is on the second gateway and the
 constellation on the first.
@@ -127,6 +128,9 @@ async def one_run(device_url, galaxy_url, mib, run, timeout, kept):
         await device.close()
         await galaxy.close()
     else:
+        # A UFO device reads every frame it is sent; so does this one before it idles. (A
+        # client that stops reading leaves the gateway holding the message it is writing.)
+        await recv_type(device, "task_end", timeout)
         kept += [device, galaxy]
     return elapsed, ok
 

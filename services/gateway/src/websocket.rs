@@ -378,7 +378,18 @@ fn close_frame(payload: &[u8]) -> Result<Option<(u16, String)>, ReadFailure> {
             reason: "a close frame with a one-byte body",
         }),
         [a, b, reason @ ..] => match std::str::from_utf8(reason) {
-            Ok(reason) => Ok(Some((u16::from_be_bytes([*a, *b]), reason.to_owned()))),
+            Ok(reason) => {
+                let code = u16::from_be_bytes([*a, *b]);
+                // The codes an endpoint may send (RFC 6455, section 7.4; 1005, 1006 and 1015
+                // only stand for what happened, and the others below 3000 are unassigned).
+                if !matches!(code, 1000..=1003 | 1007..=1014 | 3000..=4999) {
+                    return Err(ReadFailure::Violation {
+                        code: CLOSE_PROTOCOL,
+                        reason: "a close code an endpoint may not send",
+                    });
+                }
+                Ok(Some((code, reason.to_owned())))
+            }
             Err(_) => Err(ReadFailure::Violation {
                 code: CLOSE_INVALID_DATA,
                 reason: "a close reason that is not UTF-8",
@@ -648,8 +659,13 @@ mod tests {
             frame
         };
         let oversized_ping = raw_frame(0x89, &[0; 126]);
-        let cases: [(&str, Vec<u8>, u16); 6] = [
+        let cases: [(&str, Vec<u8>, u16); 7] = [
             ("unmasked", unmasked, CLOSE_PROTOCOL),
+            (
+                "close code 1005",
+                raw_frame(0x88, &1005u16.to_be_bytes()),
+                CLOSE_PROTOCOL,
+            ),
             ("reserved bit", raw_frame(0xC1, b"hi"), CLOSE_PROTOCOL),
             ("unknown opcode", raw_frame(0x83, b"hi"), CLOSE_PROTOCOL),
             ("lone continuation", raw_frame(0x80, b"hi"), CLOSE_PROTOCOL),
