@@ -558,48 +558,27 @@ mod tests {
         let (mut client, mut reader) = client_and_reader().await;
         let large = "\u{e9}x".repeat(1 << 20);
         let sending = tokio::spawn(async move {
-            client.send(Message::text("small")).await.expect("sent");
-            client
-                .send(Message::text(large.clone()))
-                .await
-                .expect("sent");
-            client
-                .send(Message::binary(vec![0u8, 1, 2]))
-                .await
-                .expect("sent");
-            client
-                .send(Message::Ping(Bytes::from_static(b"hi")))
-                .await
-                .expect("sent");
-            // A fragmented message, with a ping between its fragments.
-            for (payload, opcode, fin) in [
-                ("frag", WsOpCode::Data(Data::Text), false),
-                ("men", WsOpCode::Data(Data::Continue), false),
-            ] {
-                client
-                    .feed(Message::Frame(Frame::message(payload, opcode, fin)))
-                    .await
-                    .expect("fed");
-            }
-            client
-                .feed(Message::Ping(Bytes::from_static(b"mid")))
-                .await
-                .expect("fed");
-            client
-                .send(Message::Frame(Frame::message(
-                    "ted",
-                    WsOpCode::Data(Data::Continue),
-                    true,
-                )))
-                .await
-                .expect("sent");
-            client
-                .send(Message::Close(Some(CloseFrame {
+            let fragment = |payload: &'static str, opcode, fin| {
+                Message::Frame(Frame::message(payload, opcode, fin))
+            };
+            let messages = [
+                Message::text("small"),
+                Message::text(large.clone()),
+                Message::binary(vec![0u8, 1, 2]),
+                Message::Ping(Bytes::from_static(b"hi")),
+                // A fragmented message, with a ping between its fragments.
+                fragment("frag", WsOpCode::Data(Data::Text), false),
+                fragment("men", WsOpCode::Data(Data::Continue), false),
+                Message::Ping(Bytes::from_static(b"mid")),
+                fragment("ted", WsOpCode::Data(Data::Continue), true),
+                Message::Close(Some(CloseFrame {
                     code: 1000.into(),
                     reason: "bye".into(),
-                })))
-                .await
-                .expect("sent");
+                })),
+            ];
+            for message in messages {
+                client.send(message).await.expect("sent");
+            }
             (client, large)
         });
         let mut got = Vec::new();
@@ -685,35 +664,21 @@ mod tests {
                 other => panic!("{what}: {other:?}"),
             }
         }
-        // Over the limit: refused from the header, before the payload is read.
-        let (mut wire, server) = tokio::io::duplex(64 * 1024);
-        let mut reader = FrameReader::new(server, 100);
-        wire.write_all(&raw_frame(0x81, &[b'a'; 200])[..8])
-            .await
-            .expect("written");
-        assert!(matches!(
-            reader.next().await,
-            Err(ReadFailure::TooLarge {
-                size: 200,
-                limit: 100
-            })
-        ));
-        // Fragments that together go over it.
-        let (mut wire, server) = tokio::io::duplex(64 * 1024);
-        let mut reader = FrameReader::new(server, 100);
-        wire.write_all(&raw_frame(0x01, &[b'a'; 60]))
-            .await
-            .expect("written");
-        wire.write_all(&raw_frame(0x80, &[b'a'; 60]))
-            .await
-            .expect("written");
-        assert!(matches!(
-            reader.next().await,
-            Err(ReadFailure::TooLarge {
-                size: 120,
-                limit: 100
-            })
-        ));
+        // Over the limit: refused from the header, before the payload is read; and fragments
+        // that together go over it.
+        let header_only = raw_frame(0x81, &[b'a'; 200])[..8].to_vec();
+        let fragments = [raw_frame(0x01, &[b'a'; 60]), raw_frame(0x80, &[b'a'; 60])].concat();
+        for (bytes, size) in [(header_only, 200), (fragments, 120)] {
+            let (mut wire, server) = tokio::io::duplex(64 * 1024);
+            let mut reader = FrameReader::new(server, 100);
+            wire.write_all(&bytes).await.expect("written");
+            match reader.next().await {
+                Err(ReadFailure::TooLarge { size: got, limit }) => {
+                    assert_eq!((got, limit), (size, 100));
+                }
+                other => panic!("{size} bytes: {other:?}"),
+            }
+        }
     }
 
     #[tokio::test]
