@@ -48,6 +48,10 @@ struct LocalBlobs {
     chunks: std::collections::BTreeMap<u64, BlobChunk>,
 }
 
+/// The payload limit [`LocalBus::for_one_process`] reports: above the largest client frame
+/// (100 MiB), so only a message carrying several large results goes through blobs.
+pub const ONE_PROCESS_MAX_PAYLOAD: usize = 256 << 20;
+
 /// Most bytes of blobs kept in process; the oldest go first.
 const LOCAL_BLOB_BYTES: usize = 1 << 30;
 
@@ -107,6 +111,14 @@ impl LocalBus {
     /// A bus with default queue bounds and a 1 MiB reported payload limit (NATS's default).
     pub fn new() -> Self {
         Self::with_limits(DEFAULT_CAPACITY, 1024 * 1024)
+    }
+
+    /// The bus of a broker that is one process (`aip dev`): a body up to
+    /// [`ONE_PROCESS_MAX_PAYLOAD`] travels as itself (a reference to the same bytes) instead of
+    /// through the in-process blob store, which kept every large body (up to 1 GiB in all)
+    /// after its messages were delivered and acknowledged.
+    pub fn for_one_process() -> Self {
+        Self::with_limits(DEFAULT_CAPACITY, ONE_PROCESS_MAX_PAYLOAD)
     }
 
     /// A bus with the given per-subscription queue bound and reported payload limit.

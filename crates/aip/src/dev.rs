@@ -235,7 +235,7 @@ impl DevServer {
                 )
             }
             None => (
-                Arc::new(LocalBus::new()),
+                Arc::new(LocalBus::for_one_process()),
                 "in-process (remote planners and other processes need --nats-url)".to_owned(),
             ),
         };
