@@ -176,7 +176,8 @@ impl Connection {
             }
             Incoming::Binary(_) => Some(Inbound::Binary),
             Incoming::Ping(payload) => {
-                // A pong that finds the queue full is not needed: the queue full closes.
+                // A pong that finds the queue full is dropped: a client that does not read
+                // what it is sent gains nothing from one more.
                 let _ = self.out.try_send(Outbound::Pong(payload));
                 Some(Inbound::Control)
             }
