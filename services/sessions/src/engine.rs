@@ -45,6 +45,11 @@ use crate::store::{LeaseSpec, OutFrame, ProcessedHalf, StoreError, TaskStore, Wr
 use crate::targets::TargetCache;
 use crate::task::{Task, now_ms};
 
+/// A frame larger than this goes to its gateway alone, never in a batch: batching it would
+/// copy it into the batch's body for nothing (on NATS such a frame goes by blob reference
+/// anyway; `aip dev`'s bus carries bodies up to 256 MiB as themselves).
+const GATHERED_FRAME_BYTES: usize = 1 << 20;
+
 /// Why a change could not be made. Transient errors are retried (a frame is redelivered);
 /// the rest are reported to whoever asked.
 #[derive(Debug, thiserror::Error)]
@@ -1253,7 +1258,10 @@ impl Engine {
         // than one such frame here.
         let mut batchable: HashMap<&str, usize> = HashMap::new();
         let may_gather = |frame: &OutFrame, gateway: &str| {
-            gather && !stored.contains_key(&frame.msg_id) && self.routes.takes_batches(gateway)
+            gather
+                && frame.payload.len() <= GATHERED_FRAME_BYTES
+                && !stored.contains_key(&frame.msg_id)
+                && self.routes.takes_batches(gateway)
         };
         for frame in &frames {
             if let Some(gateway) = gateways.get(&frame.client_id)
