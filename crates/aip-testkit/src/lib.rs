@@ -61,6 +61,26 @@ pub fn prefix() -> String {
     format!("t_{}", uuid::Uuid::new_v4().simple())
 }
 
+/// A free loopback port, never one this test process was given before: the kernel may hand
+/// the same free port to two binds in a row, and two services of one test then met on it (the
+/// second could not listen, and the first answered the readiness probe meant for it).
+pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if given.insert(port) {
+            return port;
+        }
+    }
+}
+
 pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
 }

@@ -25,10 +25,7 @@ fn nats_url() -> String {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    aip_testkit::free_port()
 }
 
 fn registry_command(log: &std::path::Path) -> tokio::process::Command {

@@ -395,12 +395,9 @@ pub fn urlencode(s: &str) -> String {
         .collect()
 }
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port on 127.0.0.1, never one this test process was given before.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    aip_testkit::free_port()
 }
 
 /// Starts a gateway of `stack` with modified settings (for knobs the test kit lacks); the

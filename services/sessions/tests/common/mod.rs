@@ -36,22 +36,7 @@ pub async fn metric(base: &str, series: &str) -> f64 {
 
 /// A free loopback port, never one this test process was given before.
 pub fn free_port() -> u16 {
-    // The kernel may hand the same free port to two binds in a row: a test that asked for two
-    // (a registry's and a session service's) then started both on one, and the second failed.
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let mut given = GIVEN
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if given.insert(port) {
-            return port;
-        }
-    }
+    aip_testkit::free_port()
 }
 
 /// Starts `aip-sessions` for `stack` on `port`, with `envs` added to its environment.
