@@ -7,8 +7,9 @@
 //! screenshot held 90 MiB of the gateway while it stayed connected. It also read every frame
 //! 1 KiB per system call (its read size is the idle buffer's size). And it wrote a message by
 //! copying it whole into its output buffer. Here a frame larger than the read buffer is read
-//! straight into a buffer of its own size, in reads as large as the socket gives, and handed
-//! over whole; the read buffer stays at [`READ_BUFFER_BYTES`]. A message is written as its
+//! straight into a buffer of its own, in reads as large as the socket gives, and handed over
+//! whole; that buffer grows with the bytes that arrive (not with the size the header
+//! announces: [`FIRST_FRAME_ROOM`]); the read buffer stays at [`READ_BUFFER_BYTES`]. A message is written as its
 //! header followed by the message's own bytes (a large one in fragments, each a header and a
 //! slice of the message).
 //!
@@ -25,6 +26,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// message is read and nothing more is buffered). AIP frames are mostly far smaller; a larger
 /// frame is read into a buffer of its own.
 pub(crate) const READ_BUFFER_BYTES: usize = 1024;
+
+/// The room a frame's own buffer starts with, at most. It then doubles as the frame's bytes
+/// arrive, so a header alone (which may announce up to the size limit) never makes the
+/// gateway set aside more than this for a frame whose bytes do not come.
+pub(crate) const FIRST_FRAME_ROOM: usize = 64 * 1024;
 
 /// The close code for a protocol violation.
 const CLOSE_PROTOCOL: u16 = 1002;
@@ -159,7 +165,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                         self.check(&header)?;
                         self.frame = Some(Partial {
                             header,
-                            payload: Vec::with_capacity(header.len),
+                            payload: Vec::with_capacity(header.len.min(FIRST_FRAME_ROOM)),
                         });
                     }
                     None => {
@@ -186,12 +192,17 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             let wanted = wanted - buffered;
             if wanted > 0 {
                 // A large rest goes straight into the frame's own buffer, never past the
-                // frame's end.
+                // frame's end; the buffer doubles when full (up to the frame's size).
                 let read = if wanted >= READ_BUFFER_BYTES {
+                    let payload = &mut frame.payload;
+                    if payload.len() == payload.capacity() {
+                        payload.reserve(wanted.min(payload.len().max(FIRST_FRAME_ROOM)));
+                    }
+                    let room = payload.capacity() - payload.len();
                     self.io
                         .get_mut()
-                        .take(wanted as u64)
-                        .read_buf(&mut frame.payload)
+                        .take(wanted.min(room) as u64)
+                        .read_buf(payload)
                         .await?
                 } else {
                     self.fill().await?
@@ -224,6 +235,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     #[cfg(test)]
     fn buffered_capacity(&self) -> usize {
         self.buf.capacity()
+    }
+
+    /// The capacity of the buffer of the frame being read.
+    #[cfg(test)]
+    fn frame_capacity(&self) -> usize {
+        self.frame.as_ref().map_or(0, |f| f.payload.capacity())
     }
 
     /// Refuses a header that breaks the protocol or the size limit.
@@ -543,9 +560,13 @@ mod tests {
         let mut out = vec![first];
         match payload.len() {
             len @ 0..=125 => out.push(0x80 | len as u8),
-            len => {
+            len @ 126..=0xFFFF => {
                 out.push(0x80 | 126);
                 out.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            len => {
+                out.push(0x80 | 127);
+                out.extend_from_slice(&(len as u64).to_be_bytes());
             }
         }
         out.extend_from_slice(&mask);
@@ -628,6 +649,28 @@ mod tests {
         );
         drop(wire);
         assert_eq!(reader.next().await.expect("clean end"), None);
+    }
+
+    #[tokio::test]
+    async fn a_frame_buffer_grows_with_the_bytes_that_arrive() {
+        let (mut wire, server) = tokio::io::duplex(64 * 1024);
+        let mut reader = FrameReader::new(server, LIMIT);
+        let text = "z".repeat(LIMIT - 1);
+        let frame = raw_frame(0x81, text.as_bytes());
+        // A header announcing nearly the limit, and a few bytes: little is set aside.
+        wire.write_all(&frame[..1000]).await.expect("written");
+        let waiting =
+            tokio::time::timeout(std::time::Duration::from_millis(50), reader.next()).await;
+        assert!(waiting.is_err(), "the frame is not complete yet");
+        assert!(
+            (1..=FIRST_FRAME_ROOM).contains(&reader.frame_capacity()),
+            "{} bytes set aside for a frame of which 1000 bytes came",
+            reader.frame_capacity()
+        );
+        // The rest comes: the frame is read whole.
+        let (read, written) = tokio::join!(reader.next(), wire.write_all(&frame[1000..]));
+        written.expect("written");
+        assert_eq!(read.expect("read"), Some(Incoming::Text(Bytes::from(text))));
     }
 
     #[tokio::test]
