@@ -14,7 +14,7 @@ use proto_schemas::{ClientMessage, ErrorCode, FrameError, server};
 
 use crate::AppState;
 use crate::auth::Principal;
-use crate::connection::{Connection, Inbound, ReadError, WriteError, close};
+use crate::connection::{Connection, Inbound, OutboundLimits, ReadError, WriteError, close};
 use crate::handlers;
 use crate::identity::Identity;
 use crate::inbound::InFlight;
@@ -120,7 +120,10 @@ pub fn serve(
     let client = Client {
         connection: Connection::new(
             socket,
-            settings.outbound_queue,
+            OutboundLimits {
+                frames: settings.outbound_queue,
+                bytes: settings.outbound_queue_bytes,
+            },
             settings.max_frame_bytes,
             settings.bytes_per_second,
         ),

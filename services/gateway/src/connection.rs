@@ -1,11 +1,14 @@
 //! The socket of one client, as typed AIP frames.
 //!
 //! Reading yields client frames parsed and checked by proto-schemas (and the few WebSocket
-//! messages the gateway must notice). Writing puts server frames on a bounded outbound queue
-//! that a writer task drains into the socket, one flush for all frames queued at once, so a
-//! handler never waits on a slow client: a client that lets the queue fill up is closed.
+//! messages the gateway must notice). Writing puts server frames on an outbound queue, bounded
+//! in frames and in bytes, that a writer task drains into the socket, one flush for all frames
+//! queued at once, so a handler never waits on a slow client: a client that lets the queue
+//! fill up is closed.
 //! Nothing here knows what a frame means; that is for [`crate::handlers`].
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -86,6 +89,12 @@ pub(crate) enum WriteError {
     /// The client does not read fast enough; the connection has been asked to close.
     #[error("outbound queue full ({capacity} frames): the client does not read fast enough")]
     QueueFull { capacity: usize },
+    /// The frames waiting for the client would pass the queue's byte limit; the connection
+    /// has been asked to close.
+    #[error(
+        "outbound queue full ({queued} bytes waiting, {limit} at most): the client does not read fast enough"
+    )]
+    QueueBytesFull { queued: usize, limit: usize },
     /// The writer stopped because the socket failed or closed.
     #[error("the socket is closed: a write failed")]
     Closed,
@@ -100,6 +109,15 @@ enum Outbound {
     Close(Option<(u16, String)>),
 }
 
+/// How much may wait in a connection's outbound queue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OutboundLimits {
+    /// Frames (and control messages).
+    pub(crate) frames: usize,
+    /// Bytes of frames; a frame larger than this passes when nothing else waits.
+    pub(crate) bytes: usize,
+}
+
 /// Reads and writes the frames of one WebSocket.
 pub(crate) struct Connection {
     reader: FrameReader<ReadHalf<Socket>>,
@@ -107,6 +125,10 @@ pub(crate) struct Connection {
     /// wait, where Tokio's allocates a block of 32 slots per channel up front (1.3 KiB of
     /// every idle connection's memory).
     out: flume::Sender<Outbound>,
+    /// Bytes of the frames in `out`, counted down by the writer as it writes them.
+    queued_bytes: Arc<AtomicUsize>,
+    /// Most bytes of frames that may wait in `out`.
+    max_queued_bytes: usize,
     writer: JoinHandle<()>,
     /// For the error answering a frame over the limit.
     max_frame_bytes: usize,
@@ -120,20 +142,23 @@ pub(crate) struct Connection {
 }
 
 impl Connection {
-    /// Starts the writer task; at most `queue` frames wait for it; reads at most
+    /// Starts the writer task; at most `queue` waits for it; reads at most
     /// `bytes_per_second` on average (0: no limit).
     pub(crate) fn new(
         socket: Socket,
-        queue: usize,
+        queue: OutboundLimits,
         max_frame_bytes: usize,
         bytes_per_second: u64,
     ) -> Self {
         let (read, write) = tokio::io::split(socket);
-        let (out, queued) = flume::bounded(queue);
+        let (out, queued) = flume::bounded(queue.frames);
+        let queued_bytes = Arc::new(AtomicUsize::new(0));
         Connection {
             reader: FrameReader::new(read, max_frame_bytes),
             out,
-            writer: tokio::spawn(write_queued(write, queued)),
+            writer: tokio::spawn(write_queued(write, queued, queued_bytes.clone())),
+            queued_bytes,
+            max_queued_bytes: queue.bytes,
             max_frame_bytes,
             input_left_unread: false,
             peer_closed: false,
@@ -239,7 +264,19 @@ impl Connection {
 
     /// Queues a frame already serialised, as the bytes it is in (a body read back).
     pub(crate) fn write_utf8(&self, text: Utf8Bytes) -> Result<(), WriteError> {
-        self.queue(Outbound::Frame(text))
+        let size = text.len();
+        let queued = self.queued_bytes.fetch_add(size, Ordering::AcqRel);
+        if queued > 0 && queued + size > self.max_queued_bytes {
+            self.queued_bytes.fetch_sub(size, Ordering::AcqRel);
+            self.close(close::POLICY, "too slow: outbound queue full");
+            return Err(WriteError::QueueBytesFull {
+                queued,
+                limit: self.max_queued_bytes,
+            });
+        }
+        self.queue(Outbound::Frame(text)).inspect_err(|_| {
+            self.queued_bytes.fetch_sub(size, Ordering::AcqRel);
+        })
     }
 
     /// Queues a ping; the client's pong shows it still reads.
@@ -329,14 +366,22 @@ impl Connection {
 /// The writer task: writes what is queued, one flush (one write to the socket) for all
 /// frames queued at once, until a close is written, the socket fails or the queue closes;
 /// then ends the sending side (after an empty close frame if none was written).
-async fn write_queued<W: AsyncWrite + Unpin>(io: W, queued: flume::Receiver<Outbound>) {
+async fn write_queued<W: AsyncWrite + Unpin>(
+    io: W,
+    queued: flume::Receiver<Outbound>,
+    queued_bytes: Arc<AtomicUsize>,
+) {
     let mut writer = FrameWriter::new(io);
     let mut close_written = false;
     'queue: while let Ok(first) = queued.recv_async().await {
         let mut next = Some(first);
         while let Some(item) = next {
             let added = match item {
-                Outbound::Frame(text) => writer.frame(OpCode::Text, text.as_bytes()).await,
+                Outbound::Frame(text) => {
+                    let written = writer.frame(OpCode::Text, text.as_bytes()).await;
+                    queued_bytes.fetch_sub(text.len(), Ordering::AcqRel);
+                    written
+                }
                 Outbound::Ping => writer.frame(OpCode::Ping, &[]).await,
                 Outbound::Pong(payload) => writer.frame(OpCode::Pong, &payload).await,
                 Outbound::Close(close) => {

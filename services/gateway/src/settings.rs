@@ -86,6 +86,10 @@ pub struct GatewaySettings {
     /// Frames waiting to be written to one client; a client that lets more pile up is
     /// disconnected (close code 1008) instead of growing memory.
     pub outbound_queue: usize,
+    /// Bytes of frames waiting to be written to one client; a client that lets more pile up
+    /// is disconnected (close code 1008), as for `outbound_queue`. A frame larger than this
+    /// is still written when nothing else waits for its client.
+    pub outbound_queue_bytes: usize,
     /// Timeout of requests to other services (registry).
     pub request_timeout_ms: u64,
     /// On SIGTERM, how long to wait for connections to close before exiting.
@@ -148,6 +152,7 @@ impl Default for GatewaySettings {
             max_connections_per_address: 20_000,
             max_inbound_bytes_in_flight: 256 * MIB as usize,
             outbound_queue: 256,
+            outbound_queue_bytes: 256 * MIB as usize,
             request_timeout_ms: 5_000,
             shutdown_grace_ms: 10_000,
         }
@@ -186,6 +191,7 @@ impl ServiceSettings for Settings {
             ServiceName::Gateway,
             &[
                 ("outbound_queue", g.outbound_queue as u64),
+                ("outbound_queue_bytes", g.outbound_queue_bytes as u64),
                 ("max_connections", g.max_connections as u64),
                 ("ping_interval_ms", g.ping_interval_ms),
                 ("liveness_timeout_ms", g.liveness_timeout_ms),

@@ -219,3 +219,59 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
     stack.stop().await;
 }
 both_backends!(a_client_that_does_not_read_is_disconnected_and_frees_its_slot);
+
+async fn a_client_that_does_not_read_is_disconnected_past_the_queue_bytes(backend: Backend) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let gateway = custom_gateway(&stack, |s| {
+        // Room for 100,000 frames, but for 8 MiB of them only: the bytes are the bound.
+        s.gateway.outbound_queue = 100_000;
+        s.gateway.outbound_queue_bytes = 8 << 20;
+    })
+    .await;
+    let url = gateway.ws_url();
+    let mut good = registered(&url, &device_register("good", "windows")).await;
+    let mut slow = registered(&url, &device_register("slow", "windows")).await;
+    until_online(&stack, "slow").await;
+
+    // 1,000 frames of 256 KiB for `slow` (250 MiB, far within the frame count): the socket's
+    // buffers take a few MiB, the queue 8 MiB, then the gateway gives up on the client.
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    let padding = "x".repeat(256 * 1024);
+    let frame = json!({"type": "heartbeat", "status": "ok", "messages": [padding]}).to_string();
+    let sent = 1_000;
+    for _ in 0..sent {
+        stack
+            .bus
+            .publish(
+                subjects.deliver(&gateway.id),
+                Headers::new().with(aip_bus::names::CLIENT, "slow"),
+                frame.clone().into_bytes().into(),
+            )
+            .await
+            .expect("published");
+    }
+    until_offline(&stack, "slow").await;
+    good.heartbeat("good", "device").await;
+
+    // When it finally reads: a part of the frames, then the end of the connection.
+    let closed = slow.closed().await;
+    if let Some(code) = closed.code {
+        assert_eq!(code, 1008, "{closed:?}");
+    }
+    assert!(
+        closed.frames.len() < sent / 2,
+        "{} of {sent} frames reached the client before it was closed",
+        closed.frames.len()
+    );
+    gateway.stop().await;
+    stack.stop().await;
+}
+both_backends!(a_client_that_does_not_read_is_disconnected_past_the_queue_bytes);
