@@ -9,6 +9,7 @@ mod common;
 use std::time::Duration;
 
 use aip_bus::Headers;
+use aip_testkit::RunningGateway;
 use aip_testkit::frames::{self, device_register};
 use aip_testkit::{Backend, Options, Stack, both_backends, eventually};
 use common::{Ws, agent_status, custom_gateway, registered, until_offline, until_online};
@@ -21,6 +22,49 @@ fn read_quietly(mut ws: Ws, quiet: Duration) -> tokio::task::JoinHandle<anyhow::
         ws.idle(quiet).await?;
         Ok(ws)
     })
+}
+
+/// A stack without a session service, and a gateway of its own with `change` made to its
+/// settings, holding two registered devices: `good`, which behaves, and `other`.
+async fn gateway_with_two_clients(
+    backend: Backend,
+    other: &str,
+    change: impl FnOnce(&mut aip_gateway::Settings),
+) -> (Stack, RunningGateway, Ws, Ws) {
+    let stack = Stack::start(
+        backend,
+        Options {
+            sessions: false,
+            ..Options::default()
+        },
+    )
+    .await
+    .expect("stack");
+    let gateway = custom_gateway(&stack, change).await;
+    let url = gateway.ws_url();
+    let good = registered(&url, &device_register("good", "windows")).await;
+    let other_client = registered(&url, &device_register(other, "windows")).await;
+    until_online(&stack, other).await;
+    (stack, gateway, good, other_client)
+}
+
+/// A heartbeat of 256 KiB, as the session service would deliver it to `slow` through
+/// `gateway`.
+async fn deliver_to_slow(stack: &Stack, gateway: &RunningGateway) {
+    static FRAME: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        let padding = "x".repeat(256 * 1024);
+        json!({"type": "heartbeat", "status": "ok", "messages": [padding]}).to_string()
+    });
+    let subjects = Subjects::new(&stack.prefix).expect("prefix");
+    stack
+        .bus
+        .publish(
+            subjects.deliver(&gateway.id),
+            Headers::new().with(aip_bus::names::CLIENT, "slow"),
+            FRAME.clone().into_bytes().into(),
+        )
+        .await
+        .expect("published");
 }
 
 async fn a_client_silent_without_pongs_is_closed_and_goes_offline(backend: Backend) {
@@ -73,20 +117,9 @@ async fn a_client_silent_without_pongs_is_closed_and_goes_offline(backend: Backe
 both_backends!(a_client_silent_without_pongs_is_closed_and_goes_offline);
 
 async fn frames_over_the_rate_are_refused_then_the_client_is_closed(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            sessions: false,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
-    let gateway = custom_gateway(&stack, |s| s.gateway.frames_per_second = 5).await;
+    let (stack, gateway, mut good, mut flood) =
+        gateway_with_two_clients(backend, "flood", |s| s.gateway.frames_per_second = 5).await;
     let url = gateway.ws_url();
-    let mut good = registered(&url, &device_register("good", "windows")).await;
-    let mut flood = registered(&url, &device_register("flood", "windows")).await;
-    until_online(&stack, "flood").await;
 
     let heartbeat = frames::heartbeat("flood", "device").to_string();
     for _ in 0..200 {
@@ -132,16 +165,7 @@ async fn frames_over_the_rate_are_refused_then_the_client_is_closed(backend: Bac
 both_backends!(frames_over_the_rate_are_refused_then_the_client_is_closed);
 
 async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            sessions: false,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
-    let gateway = custom_gateway(&stack, |s| {
+    let (stack, gateway, mut good, mut slow) = gateway_with_two_clients(backend, "slow", |s| {
         // Room for 16 MiB of frames: the socket's buffers fill (the writer is stuck) long
         // before the queue does and the gateway gives up on the client.
         s.gateway.outbound_queue = 64;
@@ -149,9 +173,6 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
     })
     .await;
     let url = gateway.ws_url();
-    let mut good = registered(&url, &device_register("good", "windows")).await;
-    let mut slow = registered(&url, &device_register("slow", "windows")).await;
-    until_online(&stack, "slow").await;
     let full = Ws::refused(&url).await;
     assert_eq!(full.status, 503, "{full:?}");
     assert_eq!(
@@ -160,9 +181,6 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
     );
 
     // Frames for `slow` pile up: 256 KiB each, until the gateway gives up on it.
-    let subjects = Subjects::new(&stack.prefix).expect("prefix");
-    let padding = "x".repeat(256 * 1024);
-    let frame = json!({"type": "heartbeat", "status": "ok", "messages": [padding]}).to_string();
     let base = stack.registry_url();
     let mut sent = 0;
     let started = tokio::time::Instant::now();
@@ -176,15 +194,7 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
         if sent >= 2_000 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        stack
-            .bus
-            .publish(
-                subjects.deliver(&gateway.id),
-                Headers::new().with(aip_bus::names::CLIENT, "slow"),
-                frame.clone().into_bytes().into(),
-            )
-            .await
-            .expect("published");
+        deliver_to_slow(&stack, &gateway).await;
         sent += 1;
         if sent % 8 == 0 && agent_status(&base, "slow").await.as_deref() == Some("offline") {
             break;
@@ -221,42 +231,18 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
 both_backends!(a_client_that_does_not_read_is_disconnected_and_frees_its_slot);
 
 async fn a_client_that_does_not_read_is_disconnected_past_the_queue_bytes(backend: Backend) {
-    let stack = Stack::start(
-        backend,
-        Options {
-            sessions: false,
-            ..Options::default()
-        },
-    )
-    .await
-    .expect("stack");
-    let gateway = custom_gateway(&stack, |s| {
+    let (stack, gateway, mut good, mut slow) = gateway_with_two_clients(backend, "slow", |s| {
         // Room for 100,000 frames, but for 8 MiB of them only: the bytes are the bound.
         s.gateway.outbound_queue = 100_000;
         s.gateway.outbound_queue_bytes = 8 << 20;
     })
     .await;
-    let url = gateway.ws_url();
-    let mut good = registered(&url, &device_register("good", "windows")).await;
-    let mut slow = registered(&url, &device_register("slow", "windows")).await;
-    until_online(&stack, "slow").await;
 
     // 1,000 frames of 256 KiB for `slow` (250 MiB, far within the frame count): the socket's
     // buffers take a few MiB, the queue 8 MiB, then the gateway gives up on the client.
-    let subjects = Subjects::new(&stack.prefix).expect("prefix");
-    let padding = "x".repeat(256 * 1024);
-    let frame = json!({"type": "heartbeat", "status": "ok", "messages": [padding]}).to_string();
     let sent = 1_000;
     for _ in 0..sent {
-        stack
-            .bus
-            .publish(
-                subjects.deliver(&gateway.id),
-                Headers::new().with(aip_bus::names::CLIENT, "slow"),
-                frame.clone().into_bytes().into(),
-            )
-            .await
-            .expect("published");
+        deliver_to_slow(&stack, &gateway).await;
     }
     until_offline(&stack, "slow").await;
     good.heartbeat("good", "device").await;
