@@ -9,9 +9,9 @@
 //! copying it whole into its output buffer. Here a frame larger than the read buffer is read
 //! straight into a buffer of its own, in reads as large as the socket gives, and handed over
 //! whole; that buffer grows with the bytes that arrive (not with the size the header
-//! announces: [`FIRST_FRAME_ROOM`]); the read buffer stays at [`READ_BUFFER_BYTES`]. A message is written as its
-//! header followed by the message's own bytes (a large one in fragments, each a header and a
-//! slice of the message).
+//! announces: [`FIRST_FRAME_ROOM`]); the read buffer stays at [`READ_BUFFER_BYTES`]. A
+//! message is written as its header followed by the message's own bytes (a large one in
+//! fragments, each a header and a slice of the message).
 //!
 //! Only what a server needs: client frames must be masked, no extension is negotiated (so
 //! the reserved bits must be clear), control frames are at most 125 bytes and not
@@ -196,7 +196,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 let read = if wanted >= READ_BUFFER_BYTES {
                     let payload = &mut frame.payload;
                     if payload.len() == payload.capacity() {
-                        payload.reserve(wanted.min(payload.len().max(FIRST_FRAME_ROOM)));
+                        // Exact: `reserve` could round up past the frame's end.
+                        payload.reserve_exact(wanted.min(payload.len().max(FIRST_FRAME_ROOM)));
                     }
                     let room = payload.capacity() - payload.len();
                     self.io
@@ -667,8 +668,25 @@ mod tests {
             "{} bytes set aside for a frame of which 1000 bytes came",
             reader.frame_capacity()
         );
-        // The rest comes: the frame is read whole.
-        let (read, written) = tokio::join!(reader.next(), wire.write_all(&frame[1000..]));
+        // All but the last byte comes: the buffer grows, never past the frame's size.
+        let last = frame.len() - 1;
+        let sending = tokio::spawn(async move {
+            wire.write_all(&frame[1000..last]).await.expect("written");
+            (wire, frame)
+        });
+        while !sending.is_finished() {
+            let waiting =
+                tokio::time::timeout(std::time::Duration::from_millis(5), reader.next()).await;
+            assert!(waiting.is_err(), "the frame is not complete yet");
+            assert!(
+                reader.frame_capacity() <= LIMIT - 1,
+                "{}",
+                reader.frame_capacity()
+            );
+        }
+        let (mut wire, frame) = sending.await.expect("sender");
+        // The last byte: the frame is read whole.
+        let (read, written) = tokio::join!(reader.next(), wire.write_all(&frame[last..]));
         written.expect("written");
         assert_eq!(read.expect("read"), Some(Incoming::Text(Bytes::from(text))));
     }
