@@ -1,17 +1,16 @@
 //! Liveness and limits: a registered client that neither sends frames nor answers pings is
 //! closed and marked offline, while one that only answers pings stays; a client over the
 //! frame rate gets RATE_LIMITED and, if it keeps on, is closed; a client that does not read
-//! what it is sent is disconnected and gives its connection slot back. Others on the same
-//! gateway are not disturbed. Both backends.
+//! what it is sent is disconnected (past its outbound queue's frames or bytes) and gives its
+//! connection slot back. Others on the same gateway are not disturbed. Both backends.
 
 mod common;
 
 use std::time::Duration;
 
 use aip_bus::Headers;
-use aip_testkit::RunningGateway;
 use aip_testkit::frames::{self, device_register};
-use aip_testkit::{Backend, Options, Stack, both_backends, eventually};
+use aip_testkit::{Backend, Options, RunningGateway, Stack, both_backends, eventually};
 use common::{Ws, agent_status, custom_gateway, registered, until_offline, until_online};
 use proto_schemas::Subjects;
 use serde_json::json;
