@@ -127,6 +127,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Client frames that waited for room in the inbound budget.",
     ),
     (
+        "aip_gateway_outbound_bytes_queued",
+        Kind::Gauge,
+        "Bytes of frames queued for clients and not yet written, all connections together (bounded by `max_outbound_bytes_queued`); set every second.",
+    ),
+    (
+        "aip_gateway_slow_clients_closed_total",
+        Kind::Counter,
+        "Clients disconnected (1008) for not reading what they are sent, by the `bound` they passed (frames: `outbound_queue`; bytes: `outbound_queue_bytes`; gateway_bytes: `max_outbound_bytes_queued`).",
+    ),
+    (
         "aip_listener_connections_refused_total",
         Kind::Counter,
         "Sockets closed at accept, over a connection limit, by `reason` (per_address, total); every service's listener.",

@@ -244,6 +244,8 @@ impl Default for Options {
 pub struct RunningGateway {
     pub addr: SocketAddr,
     pub id: String,
+    /// The gateway's budget of bytes queued for clients (to watch it).
+    pub outbound: std::sync::Arc<aip_gateway::outbound::OutboundBudget>,
     service: Service,
 }
 
@@ -258,8 +260,14 @@ impl RunningGateway {
             .context("gateway")?;
         let addr = app.local_addr();
         let id = app.gateway_id().to_owned();
+        let outbound = app.outbound_budget();
         let service = Service::spawn(format!("gateway {id}"), |stop| app.run_until(stop));
-        Ok(RunningGateway { addr, id, service })
+        Ok(RunningGateway {
+            addr,
+            id,
+            outbound,
+            service,
+        })
     }
 
     /// `ws://…/ws`.

@@ -123,6 +123,7 @@ pub fn serve(
             OutboundLimits {
                 frames: settings.outbound_queue,
                 bytes: settings.outbound_queue_bytes,
+                gateway: state.outbound.clone(),
             },
             settings.max_frame_bytes,
             settings.bytes_per_second,

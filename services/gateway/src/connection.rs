@@ -8,7 +8,6 @@
 //! Nothing here knows what a frame means; that is for [`crate::handlers`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -18,6 +17,7 @@ use tokio::io::{AsyncWrite, ReadHalf};
 use tokio::task::JoinHandle;
 use tokio_tungstenite::tungstenite::Utf8Bytes;
 
+use crate::outbound::{Charge, OutboundBudget, QueueBytes, Refused};
 use crate::rate::ByteRate;
 use crate::upgrade::Socket;
 use crate::websocket::{FrameReader, FrameWriter, Incoming, OpCode, ReadFailure};
@@ -95,6 +95,12 @@ pub(crate) enum WriteError {
         "outbound queue full ({queued} bytes waiting, {limit} at most): the client does not read fast enough"
     )]
     QueueBytesFull { queued: usize, limit: usize },
+    /// The frames waiting for all clients of the gateway would pass its budget, and this
+    /// client has frames waiting; the connection has been asked to close.
+    #[error(
+        "the gateway's outbound budget is spent ({queued} bytes waiting for all clients, {limit} at most) and this client does not read fast enough"
+    )]
+    GatewayQueueFull { queued: usize, limit: usize },
     /// The writer stopped because the socket failed or closed.
     #[error("the socket is closed: a write failed")]
     Closed,
@@ -102,7 +108,8 @@ pub(crate) enum WriteError {
 
 /// What the writer task is asked to write.
 enum Outbound {
-    Frame(Utf8Bytes),
+    /// A frame, with its bytes counted until it is written or dropped.
+    Frame(Utf8Bytes, Charge),
     Ping,
     Pong(Bytes),
     /// The close frame, with its code and reason (none: an empty close frame).
@@ -110,12 +117,14 @@ enum Outbound {
 }
 
 /// How much may wait in a connection's outbound queue.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct OutboundLimits {
     /// Frames (and control messages).
     pub(crate) frames: usize,
     /// Bytes of frames; a frame larger than this passes when nothing else waits.
     pub(crate) bytes: usize,
+    /// The gateway's budget of bytes waiting for all clients.
+    pub(crate) gateway: Arc<OutboundBudget>,
 }
 
 /// Reads and writes the frames of one WebSocket.
@@ -125,10 +134,9 @@ pub(crate) struct Connection {
     /// wait, where Tokio's allocates a block of 32 slots per channel up front (1.3 KiB of
     /// every idle connection's memory).
     out: flume::Sender<Outbound>,
-    /// Bytes of the frames in `out`, counted down by the writer as it writes them.
-    queued_bytes: Arc<AtomicUsize>,
-    /// Most bytes of frames that may wait in `out`.
-    max_queued_bytes: usize,
+    /// Bytes of the frames in `out` (and the one being written), for this connection's
+    /// bound and the gateway's.
+    queued_bytes: Arc<QueueBytes>,
     writer: JoinHandle<()>,
     /// For the error answering a frame over the limit.
     max_frame_bytes: usize,
@@ -152,13 +160,11 @@ impl Connection {
     ) -> Self {
         let (read, write) = tokio::io::split(socket);
         let (out, queued) = flume::bounded(queue.frames);
-        let queued_bytes = Arc::new(AtomicUsize::new(0));
         Connection {
             reader: FrameReader::new(read, max_frame_bytes),
             out,
-            writer: tokio::spawn(write_queued(write, queued, queued_bytes.clone())),
-            queued_bytes,
-            max_queued_bytes: queue.bytes,
+            writer: tokio::spawn(write_queued(write, queued)),
+            queued_bytes: QueueBytes::new(queue.bytes, queue.gateway),
             max_frame_bytes,
             input_left_unread: false,
             peer_closed: false,
@@ -264,19 +270,25 @@ impl Connection {
 
     /// Queues a frame already serialised, as the bytes it is in (a body read back).
     pub(crate) fn write_utf8(&self, text: Utf8Bytes) -> Result<(), WriteError> {
-        let size = text.len();
-        let queued = self.queued_bytes.fetch_add(size, Ordering::AcqRel);
-        if queued > 0 && queued + size > self.max_queued_bytes {
-            self.queued_bytes.fetch_sub(size, Ordering::AcqRel);
-            self.close(close::POLICY, "too slow: outbound queue full");
-            return Err(WriteError::QueueBytesFull {
-                queued,
-                limit: self.max_queued_bytes,
-            });
-        }
-        self.queue(Outbound::Frame(text)).inspect_err(|_| {
-            self.queued_bytes.fetch_sub(size, Ordering::AcqRel);
-        })
+        let charge = match self.queued_bytes.charge(text.len()) {
+            Ok(charge) => charge,
+            Err(refused) => {
+                self.close(close::POLICY, "too slow: outbound queue full");
+                let (bound, error) = match refused {
+                    Refused::Connection { queued, limit } => {
+                        ("bytes", WriteError::QueueBytesFull { queued, limit })
+                    }
+                    Refused::Gateway { queued, limit } => (
+                        "gateway_bytes",
+                        WriteError::GatewayQueueFull { queued, limit },
+                    ),
+                };
+                metrics::counter!("aip_gateway_slow_clients_closed_total", "bound" => bound)
+                    .increment(1);
+                return Err(error);
+            }
+        };
+        self.queue(Outbound::Frame(text, charge))
     }
 
     /// Queues a ping; the client's pong shows it still reads.
@@ -289,6 +301,8 @@ impl Connection {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => {
                 self.close(close::POLICY, "too slow: outbound queue full");
+                metrics::counter!("aip_gateway_slow_clients_closed_total", "bound" => "frames")
+                    .increment(1);
                 Err(WriteError::QueueFull {
                     capacity: self.out.capacity().unwrap_or_default(),
                 })
@@ -366,22 +380,15 @@ impl Connection {
 /// The writer task: writes what is queued, one flush (one write to the socket) for all
 /// frames queued at once, until a close is written, the socket fails or the queue closes;
 /// then ends the sending side (after an empty close frame if none was written).
-async fn write_queued<W: AsyncWrite + Unpin>(
-    io: W,
-    queued: flume::Receiver<Outbound>,
-    queued_bytes: Arc<AtomicUsize>,
-) {
+async fn write_queued<W: AsyncWrite + Unpin>(io: W, queued: flume::Receiver<Outbound>) {
     let mut writer = FrameWriter::new(io);
     let mut close_written = false;
     'queue: while let Ok(first) = queued.recv_async().await {
         let mut next = Some(first);
         while let Some(item) = next {
             let added = match item {
-                Outbound::Frame(text) => {
-                    let written = writer.frame(OpCode::Text, text.as_bytes()).await;
-                    queued_bytes.fetch_sub(text.len(), Ordering::AcqRel);
-                    written
-                }
+                // The charge goes with the frame, once written.
+                Outbound::Frame(text, _charge) => writer.frame(OpCode::Text, text.as_bytes()).await,
                 Outbound::Ping => writer.frame(OpCode::Ping, &[]).await,
                 Outbound::Pong(payload) => writer.frame(OpCode::Pong, &payload).await,
                 Outbound::Close(close) => {

@@ -20,6 +20,7 @@ pub mod events;
 mod handlers;
 mod identity;
 pub mod inbound;
+pub mod outbound;
 pub mod peers;
 pub mod presence;
 pub mod rate;
@@ -101,6 +102,8 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// Bytes of client frames read and not yet handled, across all connections.
     pub inbound: Arc<inbound::InboundBudget>,
+    /// Bytes of frames queued for clients and not yet written, across all connections.
+    pub outbound: Arc<outbound::OutboundBudget>,
     /// WebSocket connections (`max_connections`); sockets are counted earlier, at accept.
     connections: Arc<Semaphore>,
     tracker: TaskTracker,
@@ -145,6 +148,11 @@ impl Application {
         self.state.inbound.clone()
     }
 
+    /// The budget of outbound bytes queued (to watch it: tests, diagnostics).
+    pub fn outbound_budget(&self) -> Arc<outbound::OutboundBudget> {
+        self.state.outbound.clone()
+    }
+
     /// Serves until `shutdown` completes; then stops accepting, closes every socket with 1001,
     /// sends the last presence batch and waits up to the grace period for connections to end.
     pub async fn run_until(
@@ -161,6 +169,9 @@ impl Application {
         let _routing = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(deliveries::run(
             state.clone(),
             deliveries,
+        )));
+        let _gauges = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(outbound::report(
+            state.outbound.clone(),
         )));
         tokio::spawn(announce_start(state.clone()));
         let presence = tokio::spawn(presence::run(
@@ -313,6 +324,7 @@ impl runner::Service for Application {
             announced,
             connections: Arc::new(Semaphore::new(settings.gateway.max_connections)),
             inbound: inbound::InboundBudget::new(settings.gateway.max_inbound_bytes_in_flight),
+            outbound: outbound::OutboundBudget::new(settings.gateway.max_outbound_bytes_queued),
             settings,
             gateway_id,
             blobs: aip_bus::BlobStore::for_subjects(&subjects),

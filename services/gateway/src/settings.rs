@@ -90,6 +90,10 @@ pub struct GatewaySettings {
     /// is disconnected (close code 1008), as for `outbound_queue`. A frame larger than this
     /// is still written when nothing else waits for its client.
     pub outbound_queue_bytes: usize,
+    /// Bytes of frames waiting to be written to all clients together: past it, a client that
+    /// has frames waiting and is sent another is disconnected (1008), as for its own
+    /// `outbound_queue_bytes`. A frame for a client with nothing waiting always goes.
+    pub max_outbound_bytes_queued: usize,
     /// Timeout of requests to other services (registry).
     pub request_timeout_ms: u64,
     /// On SIGTERM, how long to wait for connections to close before exiting.
@@ -153,6 +157,7 @@ impl Default for GatewaySettings {
             max_inbound_bytes_in_flight: 256 * MIB as usize,
             outbound_queue: 256,
             outbound_queue_bytes: 256 * MIB as usize,
+            max_outbound_bytes_queued: 512 * MIB as usize,
             request_timeout_ms: 5_000,
             shutdown_grace_ms: 10_000,
         }
@@ -192,6 +197,10 @@ impl ServiceSettings for Settings {
             &[
                 ("outbound_queue", g.outbound_queue as u64),
                 ("outbound_queue_bytes", g.outbound_queue_bytes as u64),
+                (
+                    "max_outbound_bytes_queued",
+                    g.max_outbound_bytes_queued as u64,
+                ),
                 ("max_connections", g.max_connections as u64),
                 ("ping_interval_ms", g.ping_interval_ms),
                 ("liveness_timeout_ms", g.liveness_timeout_ms),

@@ -1,8 +1,9 @@
 //! Liveness and limits: a registered client that neither sends frames nor answers pings is
 //! closed and marked offline, while one that only answers pings stays; a client over the
 //! frame rate gets RATE_LIMITED and, if it keeps on, is closed; a client that does not read
-//! what it is sent is disconnected (past its outbound queue's frames or bytes) and gives its
-//! connection slot back. Others on the same gateway are not disturbed. Both backends.
+//! what it is sent is disconnected (past its outbound queue's frames or bytes, or with others
+//! past the gateway's outbound budget) and gives its connection slot back. Others on the same
+//! gateway are not disturbed. Both backends.
 
 mod common;
 
@@ -50,6 +51,12 @@ async fn gateway_with_two_clients(
 /// A heartbeat of 256 KiB, as the session service would deliver it to `slow` through
 /// `gateway`.
 async fn deliver_to_slow(stack: &Stack, gateway: &RunningGateway) {
+    deliver_large(stack, gateway, "slow").await;
+}
+
+/// A heartbeat of 256 KiB, as the session service would deliver it to `client` through
+/// `gateway`.
+async fn deliver_large(stack: &Stack, gateway: &RunningGateway, client: &str) {
     static FRAME: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         let padding = "x".repeat(256 * 1024);
         json!({"type": "heartbeat", "status": "ok", "messages": [padding]}).to_string()
@@ -59,7 +66,7 @@ async fn deliver_to_slow(stack: &Stack, gateway: &RunningGateway) {
         .bus
         .publish(
             subjects.deliver(&gateway.id),
-            Headers::new().with(aip_bus::names::CLIENT, "slow"),
+            Headers::new().with(aip_bus::names::CLIENT, client),
             FRAME.clone().into_bytes().into(),
         )
         .await
@@ -260,3 +267,70 @@ async fn a_client_that_does_not_read_is_disconnected_past_the_queue_bytes(backen
     stack.stop().await;
 }
 both_backends!(a_client_that_does_not_read_is_disconnected_past_the_queue_bytes);
+
+/// The value of `aip_gateway_slow_clients_closed_total{bound="…"}` at `gateway` (0 before the
+/// first).
+async fn slow_clients_closed(gateway: &RunningGateway, bound: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", gateway.addr))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let label = format!("bound=\"{bound}\"");
+    text.lines()
+        .filter(|l| l.starts_with("aip_gateway_slow_clients_closed_total{") && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .next()
+        .unwrap_or(0.0)
+}
+
+async fn slow_clients_together_are_disconnected_past_the_gateway_budget(backend: Backend) {
+    let (stack, gateway, mut good, first) = gateway_with_two_clients(backend, "slow-1", |s| {
+        // Each client may hold 64 MiB, but all of them together 8 MiB.
+        s.gateway.outbound_queue = 100_000;
+        s.gateway.outbound_queue_bytes = 64 << 20;
+        s.gateway.max_outbound_bytes_queued = 8 << 20;
+    })
+    .await;
+    let second = registered(&gateway.ws_url(), &device_register("slow-2", "windows")).await;
+    until_online(&stack, "slow-2").await;
+
+    // 200 frames of 256 KiB for each (50 MiB, within its own bound; 100 MiB together): the
+    // sockets' buffers take a few MiB, the queues 8 MiB between them, then the gateway gives
+    // up on a client behind, and later on the other.
+    let sent = 200;
+    for _ in 0..sent {
+        for client in ["slow-1", "slow-2"] {
+            deliver_large(&stack, &gateway, client).await;
+        }
+    }
+    until_offline(&stack, "slow-1").await;
+    until_offline(&stack, "slow-2").await;
+    assert!(
+        slow_clients_closed(&gateway, "gateway_bytes").await >= 2.0,
+        "both closed over the gateway's budget"
+    );
+    // What was queued for them is given back.
+    eventually("the outbound budget given back", || async {
+        (gateway.outbound.queued() == 0).then_some(())
+    })
+    .await
+    .expect("nothing stays counted");
+    good.heartbeat("good", "device").await;
+
+    for (id, mut slow) in [("slow-1", first), ("slow-2", second)] {
+        let closed = slow.closed().await;
+        if let Some(code) = closed.code {
+            assert_eq!(code, 1008, "{id}: {closed:?}");
+        }
+        assert!(
+            closed.frames.len() < sent / 2,
+            "{id}: {} of {sent} frames reached the client before it was closed",
+            closed.frames.len()
+        );
+    }
+    gateway.stop().await;
+    stack.stop().await;
+}
+both_backends!(slow_clients_together_are_disconnected_past_the_gateway_budget);
