@@ -852,12 +852,14 @@ async fn answer(
 }
 
 /// The one number a query (the same text on both databases) answers.
-/// The small frames of a group commit are stored in one row. A stale group is split: its
-/// frames not acknowledged are written again, each in a row of its own with its id and bytes,
-/// and the group's row is deleted, in one transaction.
-async fn a_group_of_frames_is_stored_in_one_row_and_split_when_stale(backend: Backend) {
-    let (db, database, store, mut writer, mut machine) = leading(backend).await;
-    for i in 1..=3 {
+/// Starts tasks `t1`…`tn`, one step each on devices `d1`…`dn`, in one group commit; the
+/// frames it sent.
+async fn start_one_step_tasks(
+    machine: &mut Machine,
+    writer: &mut Writer,
+    n: usize,
+) -> Vec<OutFrame> {
+    for i in 1..=n {
         machine
             .submit(
                 new_task(
@@ -871,7 +873,15 @@ async fn a_group_of_frames_is_stored_in_one_row_and_split_when_stale(backend: Ba
             )
             .expect("starts");
     }
-    let sent = commit(&mut machine, &mut writer).await.outbox;
+    commit(machine, writer).await.outbox
+}
+
+/// The small frames of a group commit are stored in one row. A stale group is split: its
+/// frames not acknowledged are written again, each in a row of its own with its id and bytes,
+/// and the group's row is deleted, in one transaction.
+async fn a_group_of_frames_is_stored_in_one_row_and_split_when_stale(backend: Backend) {
+    let (db, database, store, mut writer, mut machine) = leading(backend).await;
+    let sent = start_one_step_tasks(&mut machine, &mut writer, 3).await;
     assert_eq!(sent.len(), 3, "a command for each device");
     assert_eq!(
         number(&database, "SELECT COUNT(*) FROM task_outbox").await,
@@ -936,21 +946,7 @@ both_backends!(a_group_of_frames_is_stored_in_one_row_and_split_when_stale);
 #[tokio::test]
 async fn a_group_of_frames_is_stored_compressed_on_postgres() {
     let (db, database, store, mut writer, mut machine) = leading(Backend::NatsPostgres).await;
-    for i in 1..=100 {
-        machine
-            .submit(
-                new_task(
-                    &format!("t{i}"),
-                    "n",
-                    Requester::Rest("ops".into()),
-                    &format!("d{i}"),
-                    scripted(1),
-                ),
-                None,
-            )
-            .expect("starts");
-    }
-    let sent = commit(&mut machine, &mut writer).await.outbox;
+    let sent = start_one_step_tasks(&mut machine, &mut writer, 100).await;
     assert_eq!(sent.len(), 100, "a command for each device");
     let plain = number(
         &database,
