@@ -237,7 +237,7 @@ async fn a_client_that_does_not_read_is_disconnected_and_frees_its_slot(backend:
 both_backends!(a_client_that_does_not_read_is_disconnected_and_frees_its_slot);
 
 async fn a_client_that_does_not_read_is_disconnected_past_the_queue_bytes(backend: Backend) {
-    let (stack, gateway, mut good, mut slow) = gateway_with_two_clients(backend, "slow", |s| {
+    let (stack, gateway, mut good, slow) = gateway_with_two_clients(backend, "slow", |s| {
         // Room for 100,000 frames, but for 8 MiB of them only: the bytes are the bound.
         s.gateway.outbound_queue = 100_000;
         s.gateway.outbound_queue_bytes = 8 << 20;
@@ -254,19 +254,25 @@ async fn a_client_that_does_not_read_is_disconnected_past_the_queue_bytes(backen
     good.heartbeat("good", "device").await;
 
     // When it finally reads: a part of the frames, then the end of the connection.
-    let closed = slow.closed().await;
-    if let Some(code) = closed.code {
-        assert_eq!(code, 1008, "{closed:?}");
-    }
-    assert!(
-        closed.frames.len() < sent / 2,
-        "{} of {sent} frames reached the client before it was closed",
-        closed.frames.len()
-    );
+    closed_early(slow, "slow", sent).await;
     gateway.stop().await;
     stack.stop().await;
 }
 both_backends!(a_client_that_does_not_read_is_disconnected_past_the_queue_bytes);
+
+/// Reads what `slow` (client `id`) was sent until the gateway closed it, which must have been
+/// as too slow (1008, when a close frame got through) and before half of the `sent` frames.
+async fn closed_early(mut slow: Ws, id: &str, sent: usize) {
+    let closed = slow.closed().await;
+    if let Some(code) = closed.code {
+        assert_eq!(code, 1008, "{id}: {closed:?}");
+    }
+    assert!(
+        closed.frames.len() < sent / 2,
+        "{id}: {} of {sent} frames reached the client before it was closed",
+        closed.frames.len()
+    );
+}
 
 /// The value of `aip_gateway_slow_clients_closed_total{bound="…"}` at `gateway` (0 before the
 /// first).
@@ -319,16 +325,8 @@ async fn slow_clients_together_are_disconnected_past_the_gateway_budget(backend:
     .expect("nothing stays counted");
     good.heartbeat("good", "device").await;
 
-    for (id, mut slow) in [("slow-1", first), ("slow-2", second)] {
-        let closed = slow.closed().await;
-        if let Some(code) = closed.code {
-            assert_eq!(code, 1008, "{id}: {closed:?}");
-        }
-        assert!(
-            closed.frames.len() < sent / 2,
-            "{id}: {} of {sent} frames reached the client before it was closed",
-            closed.frames.len()
-        );
+    for (id, slow) in [("slow-1", first), ("slow-2", second)] {
+        closed_early(slow, id, sent).await;
     }
     gateway.stop().await;
     stack.stop().await;
