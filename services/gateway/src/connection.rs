@@ -8,6 +8,7 @@
 //! Nothing here knows what a frame means; that is for [`crate::handlers`].
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -137,6 +138,8 @@ pub(crate) struct Connection {
     /// Bytes of the frames in `out` (and the one being written), for this connection's
     /// bound and the gateway's.
     queued_bytes: Arc<QueueBytes>,
+    /// Set once the connection is closed for not reading what it is sent.
+    closed_as_slow: AtomicBool,
     writer: JoinHandle<()>,
     /// For the error answering a frame over the limit.
     max_frame_bytes: usize,
@@ -165,6 +168,7 @@ impl Connection {
             out,
             writer: tokio::spawn(write_queued(write, queued)),
             queued_bytes: QueueBytes::new(queue.bytes, queue.gateway),
+            closed_as_slow: AtomicBool::new(false),
             max_frame_bytes,
             input_left_unread: false,
             peer_closed: false,
@@ -273,7 +277,6 @@ impl Connection {
         let charge = match self.queued_bytes.charge(text.len()) {
             Ok(charge) => charge,
             Err(refused) => {
-                self.close(close::POLICY, "too slow: outbound queue full");
                 let (bound, error) = match refused {
                     Refused::Connection { queued, limit } => {
                         ("bytes", WriteError::QueueBytesFull { queued, limit })
@@ -283,8 +286,7 @@ impl Connection {
                         WriteError::GatewayQueueFull { queued, limit },
                     ),
                 };
-                metrics::counter!("aip_gateway_slow_clients_closed_total", "bound" => bound)
-                    .increment(1);
+                self.too_slow(bound);
                 return Err(error);
             }
         };
@@ -300,15 +302,23 @@ impl Connection {
         match self.out.try_send(item) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => {
-                self.close(close::POLICY, "too slow: outbound queue full");
-                metrics::counter!("aip_gateway_slow_clients_closed_total", "bound" => "frames")
-                    .increment(1);
+                self.too_slow("frames");
                 Err(WriteError::QueueFull {
                     capacity: self.out.capacity().unwrap_or_default(),
                 })
             }
             Err(TrySendError::Disconnected(_)) => Err(WriteError::Closed),
         }
+    }
+
+    /// Closes the connection of a client that does not read what it is sent (it passed
+    /// `bound`). Counted once per connection: frames for it may still come until it ends.
+    fn too_slow(&self, bound: &'static str) {
+        if self.closed_as_slow.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        metrics::counter!("aip_gateway_slow_clients_closed_total", "bound" => bound).increment(1);
+        self.close(close::POLICY, "too slow: outbound queue full");
     }
 
     /// Queues the close frame. It must get through even when the queue is full, so it waits

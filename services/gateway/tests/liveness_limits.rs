@@ -313,6 +313,8 @@ async fn slow_clients_together_are_disconnected_past_the_gateway_budget(backend:
     }
     until_offline(&stack, "slow-1").await;
     until_offline(&stack, "slow-2").await;
+    // At least: the metrics are the test process's, which may run the other backend's
+    // variant of this test at the same time.
     assert!(
         slow_clients_closed(&gateway, "gateway_bytes").await >= 2.0,
         "both closed over the gateway's budget"
