@@ -210,8 +210,8 @@ check_infra() {
 }
 
 # start_own_postgres LOGDIR TRANSPORT: `initdb` a throwaway PostgreSQL cluster with the
-# server's defaults (autovacuum on, fsync and synchronous_commit on, no TLS) in a temporary
-# directory, start it and point BENCH_PG_* at it. TRANSPORT: `tcp` (127.0.0.1, a free port:
+# server's defaults (autovacuum on, fsync and synchronous_commit on, no TLS; only its logging
+# differs, below) in a temporary directory, start it and point BENCH_PG_* at it. TRANSPORT: `tcp` (127.0.0.1, a free port:
 # what compose and Kubernetes use) or `socket` (its directory only). Needs root: initdb runs
 # as the postgres user. On exit the cluster is stopped and its directory removed; its
 # databases are not dropped one by one.
@@ -233,8 +233,14 @@ start_own_postgres() {
     socket) BENCH_PG_HOST="$pg_dir" BENCH_PG_SOCKET_DIR="$pg_dir" ;;
     *) die "start_own_postgres: transport must be tcp or socket, got '$transport'" ;;
   esac
+  # Logging only, so that a slow window can be laid beside what the server did meanwhile:
+  # every checkpoint and autovacuum run, and (BENCH_PG_SLOW_MS) statements slower than that.
+  local logging=(-c log_checkpoints=on -c log_autovacuum_min_duration=0)
+  if [[ -n "${BENCH_PG_SLOW_MS:-}" ]]; then
+    logging+=(-c "log_min_duration_statement=${BENCH_PG_SLOW_MS}ms")
+  fi
   start_proc postgres "$logdir/postgres.log" runuser -u postgres -- "$pg_bin/postgres" \
-    -D "$pg_dir" -p "$BENCH_PG_PORT" -k "$pg_dir" -c listen_addresses="$listen"
+    -D "$pg_dir" -p "$BENCH_PG_PORT" -k "$pg_dir" -c listen_addresses="$listen" "${logging[@]}"
   local _ ready=0
   for _ in $(seq 100); do
     if psql_admin -tAc 'SELECT 1' >/dev/null 2>&1; then ready=1; break; fi
