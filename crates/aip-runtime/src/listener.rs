@@ -51,15 +51,13 @@ impl ServiceListener {
         }
     }
 
-    /// Binds `addr` (port 0 picks a free port).
+    /// Binds `addr` (port 0 picks a free port) with [`bind_tcp`].
     pub async fn bind(service: ServiceName, addr: SocketAddr) -> Result<Self, StartError> {
-        let bound = TcpListener::bind(addr)
-            .await
-            .map_err(|cause| StartError::Bind {
-                service,
-                addr,
-                cause,
-            })?;
+        let bound = bind_tcp(addr).map_err(|cause| StartError::Bind {
+            service,
+            addr,
+            cause,
+        })?;
         Ok(ServiceListener {
             bound: Some(bound),
             configured: addr,
@@ -111,6 +109,27 @@ impl ServiceListener {
             }
         }
     }
+}
+
+/// Connections the kernel completes and holds for a listener until it accepts them. A burst
+/// of connections past this (every device of a restarted gateway reconnecting at once) is not
+/// refused but dropped: each dropped client sends its SYN again only after 1 s, then 3 s, 7 s.
+/// `TcpListener::bind` asks for 128, which 200 devices connecting at once already overflowed
+/// (`TcpExtListenOverflows`). The kernel caps it at `net.core.somaxconn` (4096 by default on
+/// Linux 5.4 and later; per network namespace, so per Kubernetes pod).
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a TCP listener on `addr` the way every listener of aip is bound: `SO_REUSEADDR`
+/// (a restart does not wait for the last run's connections in `TIME_WAIT`) and a backlog of
+/// [`LISTEN_BACKLOG`]. Must be called within a Tokio runtime.
+pub fn bind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// How long a client has to send a request's headers, the WebSocket handshake's included,

@@ -189,7 +189,7 @@ impl DevServer {
                 args.listen
             )));
         }
-        let listener = TcpListener::bind(args.listen).await.with_context(|| {
+        let listener = aip_runtime::listener::bind_tcp(args.listen).with_context(|| {
             format!(
                 "cannot listen on {}: is another `aip dev` (or UFO's server) using it? Stop it, \
                  or pick another address with --listen",
