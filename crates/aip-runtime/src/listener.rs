@@ -111,13 +111,14 @@ impl ServiceListener {
     }
 }
 
-/// Connections the kernel completes and holds for a listener until it accepts them. A burst
-/// of connections past this (every device of a restarted gateway reconnecting at once) is not
-/// refused but dropped: each dropped client sends its SYN again only after 1 s, then 3 s, 7 s.
-/// `TcpListener::bind` asks for 128, which 200 devices connecting at once already overflowed
-/// (`TcpExtListenOverflows`). The kernel caps it at `net.core.somaxconn` (4096 by default on
-/// Linux 5.4 and later; per network namespace, so per Kubernetes pod).
-pub const LISTEN_BACKLOG: u32 = 4096;
+/// Connections the kernel completes and holds for a listener until it accepts them, as asked
+/// for. A burst of connections past the backlog (every device of a restarted gateway
+/// reconnecting at once) is not refused but dropped: each dropped client sends its SYN again
+/// only after 1 s, then 3 s, 7 s. `TcpListener::bind` asks for 128, which 200 devices
+/// connecting at once already overflowed (`TcpExtListenOverflows`). The kernel caps what is
+/// asked at `net.core.somaxconn` (4,096 by default since Linux 5.4; per network namespace, so
+/// per Kubernetes pod), so that setting alone decides it.
+pub const LISTEN_BACKLOG: u32 = 65_535;
 
 /// Binds a TCP listener on `addr` the way every listener of aip is bound: `SO_REUSEADDR`
 /// (a restart does not wait for the last run's connections in `TIME_WAIT`) and a backlog of

@@ -10,7 +10,8 @@ use aip_runtime::listener::{LISTEN_BACKLOG, ServiceListener};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
-/// More connections than `TcpListener::bind`'s backlog of 128 holds; few enough for a process
+/// More connections than `TcpListener::bind`'s backlog of 128 holds; fewer than the kernel's
+/// cap on any backlog (`net.core.somaxconn`, 4,096 by default) and few enough for a process
 /// with the common limit of 1,024 open files.
 const BURST: usize = 400;
 
