@@ -140,6 +140,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         pids: Arc::from(options.server_pids.as_slice()),
         rest,
         verify_for: Duration::from_secs(options.verify_seconds),
+        started: Instant::now(),
     };
     // Every loop stops by itself at the deadline; this only guards against a bug that
     // would keep a run going.
@@ -222,6 +223,7 @@ fn report(
         throughput_per_sec: round3(throughput),
         // A line with nothing timed (e.g. no acknowledgement seen) is noise.
         latencies: m.latencies.into_iter().filter(|l| l.count > 0).collect(),
+        timeline: m.timeline,
         connect: m.connect,
         verification: m.verification,
         devices: m.devices,

@@ -39,6 +39,11 @@ pub struct Report {
     pub throughput_per_sec: f64,
     /// Latency percentiles, one line per kind of operation.
     pub latencies: Vec<LatencySummary>,
+    /// Completions of the main operation second by second since `started_at` (second 0),
+    /// from the first second with one to the last: lays a slow moment beside the servers'
+    /// logs. Not for `connect`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub timeline: Vec<SecondFigures>,
     /// `connect` only: setup and hold figures.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connect: Option<ConnectFigures>,
@@ -76,6 +81,19 @@ pub struct LatencySummary {
     pub p99_ms: f64,
     /// 99.9th percentile.
     pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+/// One second of a run's timeline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SecondFigures {
+    /// Whole seconds since the run started: this one covers `[second, second + 1)`.
+    pub second: u64,
+    /// Operations that completed in it.
+    pub completed: u64,
+    /// Their mean latency (0 when none completed).
+    pub mean_ms: f64,
+    /// Their longest.
     pub max_ms: f64,
 }
 

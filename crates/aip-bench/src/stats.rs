@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
-use crate::report::{FailureReason, LatencySummary};
+use crate::report::{FailureReason, LatencySummary, SecondFigures};
 
 /// Latencies of one kind of operation, in microseconds, 3 significant figures.
 #[derive(Debug, Clone)]
@@ -81,6 +81,81 @@ impl Latency {
     }
 }
 
+/// Completions second by second since the run started: how many, and their mean and longest
+/// latency, so that a slow moment can be laid beside the servers' logs (the report's
+/// `started_at` is second 0). A few words per second per client: no histogram.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Timeline {
+    seconds: Vec<Second>,
+}
+
+/// One second of a [`Timeline`].
+#[derive(Debug, Clone, Copy, Default)]
+struct Second {
+    completed: u64,
+    total_us: u64,
+    max_us: u64,
+}
+
+impl Timeline {
+    /// Records an operation that took `elapsed` and completed `since_start` after the run
+    /// started.
+    pub fn record(&mut self, since_start: Duration, elapsed: Duration) {
+        let index = usize::try_from(since_start.as_secs()).unwrap_or(usize::MAX);
+        // A run is bounded by --max-seconds; this only keeps a wrong clock from allocating.
+        if index >= MAX_TIMELINE_SECONDS {
+            return;
+        }
+        if self.seconds.len() <= index {
+            self.seconds.resize(index + 1, Second::default());
+        }
+        let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        let second = &mut self.seconds[index];
+        second.completed += 1;
+        second.total_us = second.total_us.saturating_add(micros);
+        second.max_us = second.max_us.max(micros);
+    }
+
+    /// Adds another client's.
+    pub fn merge(&mut self, other: &Timeline) {
+        if self.seconds.len() < other.seconds.len() {
+            self.seconds.resize(other.seconds.len(), Second::default());
+        }
+        for (mine, theirs) in self.seconds.iter_mut().zip(&other.seconds) {
+            mine.completed += theirs.completed;
+            mine.total_us = mine.total_us.saturating_add(theirs.total_us);
+            mine.max_us = mine.max_us.max(theirs.max_us);
+        }
+    }
+
+    /// Every second from the first with a completion to the last, in milliseconds (a second
+    /// in between with none is listed with 0: a stall shows).
+    pub fn figures(&self) -> Vec<SecondFigures> {
+        let first = self.seconds.iter().position(|s| s.completed > 0);
+        let Some(first) = first else {
+            return Vec::new();
+        };
+        let round = |ms: f64| (ms * 1000.0).round() / 1000.0;
+        self.seconds[first..]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SecondFigures {
+                second: (first + i) as u64,
+                completed: s.completed,
+                mean_ms: if s.completed == 0 {
+                    0.0
+                } else {
+                    round(s.total_us as f64 / s.completed as f64 / 1000.0)
+                },
+                max_ms: round(s.max_us as f64 / 1000.0),
+            })
+            .collect()
+    }
+}
+
+/// Seconds a [`Timeline`] keeps at most (a day).
+const MAX_TIMELINE_SECONDS: usize = 86_400;
+
 /// Most distinct failure texts kept; the rest are counted under one line.
 const MAX_REASONS: usize = 20;
 /// The reason under which failures beyond [`MAX_REASONS`] are counted.
@@ -153,6 +228,27 @@ mod tests {
         assert!((s.p50_ms - 50.0).abs() < 0.1, "{s:?}");
         assert!((s.max_ms - 1000.0).abs() < 1.0, "{s:?}");
         assert_eq!(Latency::new().summary("empty").p99_ms, 0.0);
+    }
+
+    #[test]
+    fn a_timeline_counts_each_second_and_shows_the_empty_ones() {
+        let mut a = Timeline::default();
+        let mut b = Timeline::default();
+        a.record(Duration::from_millis(1_200), Duration::from_millis(10));
+        a.record(Duration::from_millis(1_900), Duration::from_millis(30));
+        b.record(Duration::from_millis(1_500), Duration::from_millis(50));
+        b.record(Duration::from_millis(3_100), Duration::from_millis(400));
+        a.merge(&b);
+        let seconds = a.figures();
+        let summary: Vec<(u64, u64, f64, f64)> = seconds
+            .iter()
+            .map(|s| (s.second, s.completed, s.mean_ms, s.max_ms))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![(1, 3, 30.0, 50.0), (2, 0, 0.0, 0.0), (3, 1, 400.0, 400.0)]
+        );
+        assert!(Timeline::default().figures().is_empty());
     }
 
     #[test]

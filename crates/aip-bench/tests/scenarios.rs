@@ -52,6 +52,20 @@ fn assert_clean(report: &Report, expected: u64) {
     assert!(report.failure_reasons.is_empty(), "{}", report.to_table());
     assert_eq!(report.stopped_early, None);
     assert_eq!(report.latencies[0].count, expected, "{}", report.to_table());
+    // The timeline: every completion in some second, the seconds in a row from the run's
+    // start, each second's mean within its longest.
+    let timeline = &report.timeline;
+    assert_eq!(
+        timeline.iter().map(|s| s.completed).sum::<u64>(),
+        expected,
+        "{timeline:?}"
+    );
+    let first = timeline.first().expect("a timeline").second;
+    for (i, second) in timeline.iter().enumerate() {
+        assert_eq!(second.second, first + i as u64, "{timeline:?}");
+        assert!(second.mean_ms <= second.max_ms, "{timeline:?}");
+    }
+    assert!(timeline.iter().any(|s| s.max_ms > 0.0), "{timeline:?}");
     let table = report.to_table();
     assert!(
         table.contains(&format!("{expected} of {expected}")),

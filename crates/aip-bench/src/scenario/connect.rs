@@ -141,6 +141,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &ConnectArgs) -> anyhow::Result<Measure
             register_latency.summary("REGISTER → confirmation"),
             connect_latency.summary("connect (TCP + WebSocket handshake)"),
         ],
+        timeline: Vec::new(),
         broker: figures.broker,
         generator: figures.generator,
         connect: Some(ConnectFigures {

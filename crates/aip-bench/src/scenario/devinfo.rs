@@ -57,6 +57,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &DevinfoArgs) -> anyhow::Result<Measure
         window_secs: figures.secs,
         throughput: None,
         latencies: vec![outcome.latency.summary("device_info_request → response")],
+        timeline: outcome.timeline.figures(),
         broker: figures.broker,
         generator: figures.generator,
         connect: None,
@@ -130,7 +131,7 @@ async fn client(
                     if frame.response_id.as_deref() == Some(request_id.as_str()) =>
                 {
                     if frame.status_is("ok") {
-                        outcome.success(started.elapsed(), &ctx.progress);
+                        outcome.success(started.elapsed(), &ctx);
                     } else {
                         outcome.failure(frame.error_text(), &ctx.progress);
                     }

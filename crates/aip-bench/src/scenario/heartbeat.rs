@@ -35,6 +35,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &HeartbeatArgs) -> anyhow::Result<Measu
         window_secs: figures.secs,
         throughput: None,
         latencies: vec![outcome.latency.summary("heartbeat round trip")],
+        timeline: outcome.timeline.figures(),
         broker: figures.broker,
         generator: figures.generator,
         connect: None,
@@ -94,7 +95,7 @@ async fn client(ctx: Ctx, i: usize, count: usize, gate: Gate) -> Outcome {
             };
             match Inbound::parse(text.as_str()) {
                 Ok(frame) if frame.kind == "heartbeat" => {
-                    outcome.success(started.elapsed(), &ctx.progress);
+                    outcome.success(started.elapsed(), &ctx);
                     continue 'rounds;
                 }
                 Ok(frame) if frame.kind == "error" => {

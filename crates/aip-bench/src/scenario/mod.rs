@@ -19,9 +19,11 @@ use tokio::time::Instant;
 use crate::args::Scenario;
 use crate::monitor::Monitor;
 use crate::progress::Progress;
-use crate::report::{ConnectFigures, DeviceFigures, LatencySummary, ProcessUsage, Verification};
+use crate::report::{
+    ConnectFigures, DeviceFigures, LatencySummary, ProcessUsage, SecondFigures, Verification,
+};
 use crate::rest::Rest;
-use crate::stats::{Failures, Latency};
+use crate::stats::{Failures, Latency, Timeline};
 use crate::target::Target;
 
 /// What every client of a run shares (cheap to clone: one per client task).
@@ -46,6 +48,8 @@ pub(crate) struct Ctx {
     pub rest: Option<Rest>,
     /// How long the event-log check may take.
     pub verify_for: Duration,
+    /// When the run started (the report's `started_at`; second 0 of its timeline).
+    pub started: Instant,
 }
 
 impl Ctx {
@@ -65,6 +69,7 @@ pub(crate) struct Measured {
     /// Overrides `completed / window_secs`.
     pub throughput: Option<f64>,
     pub latencies: Vec<LatencySummary>,
+    pub timeline: Vec<SecondFigures>,
     pub broker: Vec<ProcessUsage>,
     pub generator: ProcessUsage,
     pub connect: Option<ConnectFigures>,
@@ -94,6 +99,8 @@ pub(crate) struct Outcome {
     pub failures: Failures,
     /// The scenario's main latency.
     pub latency: Latency,
+    /// The main operation's completions, second by second.
+    pub timeline: Timeline,
     /// A second latency some scenarios keep (register: REGISTER alone; tasks: the ack).
     pub second: Latency,
     /// The client stopped because the run's time was up.
@@ -108,16 +115,18 @@ impl Outcome {
         self.completed += other.completed;
         self.failures.merge(other.failures);
         self.latency.merge(&other.latency);
+        self.timeline.merge(&other.timeline);
         self.second.merge(&other.second);
         self.stopped |= other.stopped;
         self.ids.extend(other.ids);
     }
 
-    /// A success of the main operation.
-    pub fn success(&mut self, elapsed: Duration, progress: &Progress) {
+    /// A success of the main operation, which took `elapsed` and completed now.
+    pub fn success(&mut self, elapsed: Duration, ctx: &Ctx) {
         self.completed += 1;
         self.latency.record(elapsed);
-        progress.done();
+        self.timeline.record(ctx.started.elapsed(), elapsed);
+        ctx.progress.done();
     }
 
     pub fn failure(&mut self, reason: impl std::fmt::Display, progress: &Progress) {

@@ -31,6 +31,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &RegisterArgs) -> anyhow::Result<Measur
             outcome.latency.summary("connect + REGISTER → confirmation"),
             outcome.second.summary("REGISTER → confirmation"),
         ],
+        timeline: outcome.timeline.figures(),
         broker: figures.broker,
         generator: figures.generator,
         connect: None,
@@ -76,7 +77,7 @@ async fn client(ctx: Ctx, c: usize, count: usize) -> Outcome {
         {
             Ok(()) => {
                 outcome.second.record(sent.elapsed());
-                outcome.success(started.elapsed(), &ctx.progress);
+                outcome.success(started.elapsed(), &ctx);
                 conn.close().await;
             }
             Err(WireError::Deadline) => {

@@ -67,6 +67,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &RestArgs) -> anyhow::Result<Measured> 
             outcome.latency.summary("task (POST → seen completed)"),
             outcome.second.summary("POST /api/tasks"),
         ],
+        timeline: outcome.timeline.figures(),
         broker: figures.broker,
         generator: figures.generator,
         connect: None,
@@ -138,7 +139,7 @@ async fn worker(
         }
         match view.state {
             TaskState::Completed => {
-                outcome.success(started.elapsed(), &ctx.progress);
+                outcome.success(started.elapsed(), &ctx);
                 outcome.ids.push(view.task_id);
             }
             state if state.is_terminal() => outcome.failure(

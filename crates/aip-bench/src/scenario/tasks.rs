@@ -83,6 +83,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &TasksArgs) -> anyhow::Result<Measured>
             outcome.latency.summary("task (TASK → task_end)"),
             outcome.second.summary("acknowledgement (TASK → heartbeat)"),
         ],
+        timeline: outcome.timeline.figures(),
         broker: figures.broker,
         generator: figures.generator,
         connect: None,
@@ -133,7 +134,7 @@ async fn client(
         }
         match one_task(&ctx, &mut conn, &session_id, started, &mut outcome).await {
             TaskEnd::Completed => {
-                outcome.success(started.elapsed(), &ctx.progress);
+                outcome.success(started.elapsed(), &ctx);
                 outcome.ids.push(session_id);
             }
             TaskEnd::Failed(reason) => outcome.failure(reason, &ctx.progress),
