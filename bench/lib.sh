@@ -211,8 +211,9 @@ check_infra() {
 
 # start_own_postgres LOGDIR TRANSPORT: `initdb` a throwaway PostgreSQL cluster with the
 # server's defaults (autovacuum on, fsync and synchronous_commit on, no TLS; only its logging
-# differs, below) in a temporary directory, start it and point BENCH_PG_* at it. TRANSPORT: `tcp` (127.0.0.1, a free port:
-# what compose and Kubernetes use) or `socket` (its directory only). Needs root: initdb runs
+# differs, below) in a temporary directory, start it and point BENCH_PG_* at it. TRANSPORT:
+# `tcp` (127.0.0.1, a free port: what compose and Kubernetes use) or `socket` (its directory
+# only). Needs root: initdb runs
 # as the postgres user. On exit the cluster is stopped and its directory removed; its
 # databases are not dropped one by one.
 start_own_postgres() {

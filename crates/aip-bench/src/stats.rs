@@ -110,10 +110,11 @@ impl Timeline {
             self.seconds.resize(index + 1, Second::default());
         }
         let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
-        let second = &mut self.seconds[index];
-        second.completed += 1;
-        second.total_us = second.total_us.saturating_add(micros);
-        second.max_us = second.max_us.max(micros);
+        self.seconds[index].add(Second {
+            completed: 1,
+            total_us: micros,
+            max_us: micros,
+        });
     }
 
     /// Adds another client's.
@@ -122,9 +123,7 @@ impl Timeline {
             self.seconds.resize(other.seconds.len(), Second::default());
         }
         for (mine, theirs) in self.seconds.iter_mut().zip(&other.seconds) {
-            mine.completed += theirs.completed;
-            mine.total_us = mine.total_us.saturating_add(theirs.total_us);
-            mine.max_us = mine.max_us.max(theirs.max_us);
+            mine.add(*theirs);
         }
     }
 
@@ -150,6 +149,14 @@ impl Timeline {
                 max_ms: round(s.max_us as f64 / 1000.0),
             })
             .collect()
+    }
+}
+
+impl Second {
+    fn add(&mut self, other: Second) {
+        self.completed += other.completed;
+        self.total_us = self.total_us.saturating_add(other.total_us);
+        self.max_us = self.max_us.max(other.max_us);
     }
 }
 
