@@ -20,7 +20,7 @@ pub mod sql;
 pub mod testing;
 pub mod text;
 
-pub use sql::{AnyValue, Conn, FromAnyRow, List, Query, Sql, Timestamp, Tx};
+pub use sql::{AnyValue, Conn, FromAnyRow, List, Query, SQLITE_BEGIN_WRITE, Sql, Timestamp, Tx};
 
 use std::path::Path;
 use std::str::FromStr;

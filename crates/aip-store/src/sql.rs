@@ -207,7 +207,7 @@ impl<'c> Conn<'c> {
 /// Takes SQLite's write lock when the transaction begins: a transaction that reads and then
 /// writes would otherwise fail with "database is locked" (not waited for) when another
 /// writer got in between its read and its write.
-const SQLITE_BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
+pub const SQLITE_BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
 
 /// A write transaction on either database ([`Database::begin`], [`Conn::begin`]). Dropped
 /// without [`Tx::commit`], it is rolled back.

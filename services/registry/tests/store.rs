@@ -46,6 +46,7 @@ both_databases!(
     list_filters_by_status_type_and_capabilities,
     online_ids_are_the_agents_not_offline,
     presence_refreshes_revives_and_stops,
+    one_flush_refreshes_a_whole_burst_of_connections,
     reaping_expires_silent_agents_and_forgets_dead_gateways,
     a_restarted_gateway_ends_the_connections_it_held,
     unreadable_rows_are_reported_as_corrupt,
@@ -856,6 +857,67 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
         .await;
     assert_eq!(applied.refreshed, 0);
     assert_eq!(f.get("s-1").await.status, AgentStatus::Offline);
+    f.close().await;
+}
+
+/// The first flush after a burst of registrations names every new connection: each agent
+/// is refreshed (and only the connection that holds it), and agents that expired meanwhile
+/// come back, in one flush of thousands of entries.
+async fn one_flush_refreshes_a_whole_burst_of_connections(backend: Backend) {
+    const BURST: usize = 2_000;
+    let f = Fixture::open(backend).await;
+    let ids: Vec<String> = (0..BURST).map(|i| format!("burst-{i:04}")).collect();
+    for chunk in ids.chunks(250) {
+        let batch = WriteBatch {
+            registers: chunk
+                .iter()
+                .map(|id| device(id, "gw-1", &format!("c-{id}"), "lab"))
+                .collect(),
+            ..WriteBatch::default()
+        };
+        let outcome = f.write(batch, &aip_registry::registry::admit).await;
+        assert!(outcome.registered.iter().all(Result::is_ok));
+    }
+    let long_ago = Utc::now() - LONG_AGO;
+    for id in &ids[..10] {
+        f.set_last_seen(id, long_ago).await;
+    }
+    let reaped = f
+        .store
+        .reap(&WINDOWS, Duration::from_secs(3600))
+        .await
+        .expect("reap");
+    assert_eq!(reaped.len(), 10, "the aged agents expire");
+    let aged =
+        f.db.query(&Sql::same("UPDATE agents SET last_seen = $1"))
+            .bind(Timestamp(long_ago))
+            .execute()
+            .await
+            .expect("age every agent");
+    assert_eq!(aged, BURST as u64);
+
+    let mut alive: Vec<(String, String, String)> = ids
+        .iter()
+        .map(|id| (id.clone(), format!("c-{id}"), "gw-1".to_owned()))
+        .collect();
+    // A connection that no longer holds its agent refreshes nothing.
+    alive.push((ids[0].clone(), "c-gone".to_owned(), "gw-1".to_owned()));
+    let applied = f
+        .presence(PresenceFlush {
+            gateways: vec![("gw-1".to_owned(), 1_000)],
+            alive,
+            stopping: Vec::new(),
+        })
+        .await;
+    assert_eq!(applied.refreshed, BURST as u64);
+    for id in [&ids[0], &ids[9], &ids[10], &ids[BURST - 1]] {
+        let agent = f.get(id).await;
+        assert_eq!(agent.status, AgentStatus::Available, "{id}");
+        assert!(
+            agent.last_seen > long_ago + chrono::TimeDelta::minutes(5),
+            "{id} seen now"
+        );
+    }
     f.close().await;
 }
 

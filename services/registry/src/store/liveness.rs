@@ -3,45 +3,48 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use aip_store::{Database, Sql};
+use aip_store::{Backend, Database, SQLITE_BEGIN_WRITE, Sql};
 use sqlx::Row;
+use sqlx::types::Json;
 
 use proto_schemas::ClientType;
 
 use super::{Ended, PresenceApplied, PresenceFlush, SqlAgentStore, StoreError, Windows, millis};
 
-/// A gateway (`$1`) reported, with its interval (`$2`).
-static GATEWAY_REPORTED: LazyLock<Sql> = LazyLock::new(|| {
-    Sql::render(|b| {
-        format!(
-            "INSERT INTO gateways (gateway_id, last_seen, interval_ms) VALUES ($1, {now}, $2) \
-             ON CONFLICT (gateway_id) DO UPDATE \
-                 SET last_seen = excluded.last_seen, interval_ms = excluded.interval_ms",
-            now = b.now(),
-        )
-    })
+/// SQLite: gateways reported (`$1`, a JSON array of `[gateway_id, interval_ms]`).
+static SQLITE_GATEWAYS_REPORTED: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO gateways (gateway_id, last_seen, interval_ms) \
+         SELECT value ->> 0, {now}, value ->> 1 FROM json_each($1) WHERE true \
+         ON CONFLICT (gateway_id) DO UPDATE \
+             SET last_seen = excluded.last_seen, interval_ms = excluded.interval_ms",
+        now = Backend::Sqlite.now(),
+    )
 });
 
-/// Connection `$2` on gateway `$3` showed life for agent `$1`: refreshed if it still holds
-/// the agent, revived if the agent only expired.
-static AGENT_ALIVE: LazyLock<Sql> = LazyLock::new(|| {
-    Sql::render(|b| {
-        format!(
-            "UPDATE agents SET last_seen = {now}, \
-                 status = CASE WHEN status = 'offline' THEN 'available' ELSE status END, \
-                 offline_reason = NULL \
-             WHERE agent_id = $1 AND connection_id = $2 AND gateway_id = $3 \
-               AND (status <> 'offline' OR offline_reason = 'liveness_expired')",
-            now = b.now(),
-        )
-    })
+/// SQLite: connections that showed life (`$1`, a JSON array of `[agent_id, connection_id,
+/// gateway_id]`): each agent is refreshed if that connection on that gateway still holds it,
+/// revived if it only expired. One statement whatever the count: a flush after a burst of
+/// registrations lists every new connection, and a statement per agent held the database's
+/// write lock for hundreds of milliseconds at 10,000.
+static SQLITE_AGENTS_ALIVE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE agents SET last_seen = {now}, \
+             status = CASE WHEN status = 'offline' THEN 'available' ELSE status END, \
+             offline_reason = NULL \
+         FROM (SELECT value ->> 0 AS agent_id, value ->> 1 AS connection_id, \
+                      value ->> 2 AS gateway_id FROM json_each($1)) AS p \
+         WHERE agents.agent_id = p.agent_id AND agents.connection_id = p.connection_id \
+           AND agents.gateway_id = p.gateway_id \
+           AND (agents.status <> 'offline' OR agents.offline_reason = 'liveness_expired')",
+        now = Backend::Sqlite.now(),
+    )
 });
 
-/// Gateway `$1` is stopping: its agents go offline.
-static GATEWAY_STOPPING: Sql = Sql::same(
-    "UPDATE agents SET status = 'offline', offline_reason = 'gateway_stopped' \
-     WHERE gateway_id = $1 AND status <> 'offline'",
-);
+/// SQLite: the agents of the stopping gateways (`$1`, a JSON array) go offline.
+const SQLITE_GATEWAYS_STOPPING: &str = "UPDATE agents \
+     SET status = 'offline', offline_reason = 'gateway_stopped' \
+     WHERE gateway_id IN (SELECT value FROM json_each($1)) AND status <> 'offline'";
 
 /// Marks offline the agents not live by the agent (`$1`) and gateway (`$2`) windows, and
 /// returns their ids. On PostgreSQL, candidates are read first, then locked in id order and
@@ -103,42 +106,16 @@ static FORGET_GATEWAYS: LazyLock<Sql> = LazyLock::new(|| {
 });
 
 impl SqlAgentStore {
-    /// One statement on PostgreSQL (a round trip per flush); on SQLite one transaction with
-    /// a statement per report, each prepared once per connection.
+    /// One statement on PostgreSQL (a round trip per flush); on SQLite one transaction of
+    /// three statements, whatever the number of agents.
     pub(super) async fn presence(
         &self,
         flush: &PresenceFlush,
     ) -> Result<PresenceApplied, StoreError> {
-        if let Database::Postgres(pool) = &self.db {
-            return presence_at_once(pool, flush).await;
+        match &self.db {
+            Database::Postgres(pool) => presence_at_once(pool, flush).await,
+            Database::Sqlite(pool) => presence_sqlite(pool, flush).await,
         }
-        let mut applied = PresenceApplied::default();
-        let mut tx = self.db.begin().await?;
-        for (gateway_id, interval_ms) in &flush.gateways {
-            tx.query(&GATEWAY_REPORTED)
-                .bind(gateway_id)
-                .bind(interval(*interval_ms))
-                .execute()
-                .await?;
-        }
-        for (agent_id, connection_id, gateway_id) in &flush.alive {
-            applied.refreshed += tx
-                .query(&AGENT_ALIVE)
-                .bind(agent_id)
-                .bind(connection_id)
-                .bind(gateway_id)
-                .execute()
-                .await?;
-        }
-        for gateway_id in &flush.stopping {
-            applied.stopped += tx
-                .query(&GATEWAY_STOPPING)
-                .bind(gateway_id)
-                .execute()
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(applied)
     }
 
     pub(super) async fn expire(
@@ -203,6 +180,43 @@ impl EndedRow {
 /// A gateway's reporting interval as stored (an interval beyond `i64` is as good as never).
 fn interval(interval_ms: u64) -> i64 {
     i64::try_from(interval_ms).unwrap_or(i64::MAX)
+}
+
+/// A presence flush on SQLite: one write transaction (the whole database is locked, so no
+/// order is needed), a statement for each of its three lists, each list bound as JSON.
+async fn presence_sqlite(
+    pool: &sqlx::SqlitePool,
+    flush: &PresenceFlush,
+) -> Result<PresenceApplied, StoreError> {
+    let gateways: Vec<(&str, i64)> = flush
+        .gateways
+        .iter()
+        .map(|(id, interval_ms)| (id.as_str(), interval(*interval_ms)))
+        .collect();
+    let mut tx = pool.begin_with(SQLITE_BEGIN_WRITE).await?;
+    if !gateways.is_empty() {
+        sqlx::query(&SQLITE_GATEWAYS_REPORTED)
+            .bind(Json(&gateways))
+            .execute(&mut *tx)
+            .await?;
+    }
+    let mut applied = PresenceApplied::default();
+    if !flush.alive.is_empty() {
+        applied.refreshed = sqlx::query(&SQLITE_AGENTS_ALIVE)
+            .bind(Json(&flush.alive))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+    }
+    if !flush.stopping.is_empty() {
+        applied.stopped = sqlx::query(SQLITE_GATEWAYS_STOPPING)
+            .bind(Json(&flush.stopping))
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+    }
+    tx.commit().await?;
+    Ok(applied)
 }
 
 /// A presence flush in one PostgreSQL statement over arrays. Rows are locked in id order
