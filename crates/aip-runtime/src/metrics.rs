@@ -147,6 +147,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "REGISTERs answered, by `outcome` (registered, refused).",
     ),
     (
+        "aip_registry_group_commit_seconds",
+        Kind::Histogram,
+        "Time to write one batch of registrations and unregistrations (one transaction, or one by one after a batch failed).",
+    ),
+    (
+        "aip_registry_group_commit_changes",
+        Kind::Histogram,
+        "Registrations and unregistrations in one group commit.",
+    ),
+    (
         "aip_sessions_tasks_started_total",
         Kind::Counter,
         "Tasks accepted, by `planner`.",

@@ -179,8 +179,17 @@ impl Batch {
         None
     }
 
-    /// Writes the batch and answers every job.
+    /// Writes the batch and answers every job; records its size and how long it took.
     async fn write(self, store: &dyn AgentStore, windows: &Windows, admit: &Admit) {
+        let started = std::time::Instant::now();
+        let changes = self.len();
+        self.write_and_answer(store, windows, admit).await;
+        metrics::histogram!("aip_registry_group_commit_seconds")
+            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!("aip_registry_group_commit_changes").record(changes as f64);
+    }
+
+    async fn write_and_answer(self, store: &dyn AgentStore, windows: &Windows, admit: &Admit) {
         let Batch {
             writes,
             register_replies,

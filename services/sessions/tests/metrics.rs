@@ -122,6 +122,16 @@ async fn every_service_reports_what_a_task_did(backend: Backend) {
             &registry,
         ),
         (
+            "aip_registry_group_commit_seconds_bucket",
+            &["le=\"+Inf\""][..],
+            &registry,
+        ),
+        (
+            "aip_registry_group_commit_changes_count",
+            &[][..],
+            &registry,
+        ),
+        (
             "aip_gateway_frames_received_total",
             &["type=\"command_results\""][..],
             &gateway,
