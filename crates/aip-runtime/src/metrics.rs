@@ -147,6 +147,11 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "REGISTERs answered, by `outcome` (registered, refused).",
     ),
     (
+        "aip_registry_agents_forgotten_total",
+        Kind::Counter,
+        "Agents deleted after being offline and unseen for `forget_offline_after_ms`.",
+    ),
+    (
         "aip_registry_group_commit_seconds",
         Kind::Histogram,
         "Time to write one batch of registrations and unregistrations (one transaction, or one by one after a batch failed).",

@@ -41,6 +41,27 @@ pub const LIVENESS_EXPIRED: &str = "liveness_expired";
 /// Gateways silent this long, holding no live agent, are forgotten.
 pub const FORGET_GATEWAYS_AFTER: Duration = Duration::from_secs(24 * 3600);
 
+/// How often agents offline past `forget_offline_after_ms` are deleted at most: the statement
+/// reads the offline rows without an index (one would cost every unregistration a write), so
+/// it runs far less often than the reaper.
+pub const FORGET_AGENTS_EVERY: Duration = Duration::from_secs(60);
+
+/// Agents deleted by one statement at most; a round that deleted this many goes on at the
+/// next reap instead of waiting [`FORGET_AGENTS_EVERY`], so a backlog drains in short
+/// statements.
+pub const FORGET_AGENTS_LIMIT: u32 = 10_000;
+
+/// When the reaper runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule {
+    /// Between two reaps.
+    pub interval: Duration,
+    /// Before the first reap, and after the bus answers again (one liveness window).
+    pub grace: Duration,
+    /// Agents offline and unseen this long are deleted; `None` keeps them.
+    pub forget_offline_after: Option<Duration>,
+}
+
 /// How long the reaper waits for its bus to flush before it takes the bus as down: far above
 /// a flush on a live connection (sub-millisecond locally), far below any liveness window.
 const BUS_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -75,29 +96,42 @@ impl Hearing {
     }
 }
 
-/// Reaps every `interval` until `stop` is cancelled. The first reap waits `grace` (one
-/// liveness window after start), so that after a registry outage gateways get the chance to
-/// report before their agents are judged.
+/// Reaps every `schedule.interval` until `stop` is cancelled. The first reap waits
+/// `schedule.grace` (one liveness window after start), so that after a registry outage
+/// gateways get the chance to report before their agents are judged. Every
+/// [`forget_period`] it also deletes the agents offline past
+/// `schedule.forget_offline_after`.
 pub async fn run(
     store: Arc<dyn AgentStore>,
     presence: Arc<crate::presence::PresenceBuffer>,
     notices: Notices,
     windows: Windows,
-    interval: Duration,
-    grace: Duration,
+    schedule: Schedule,
     stop: CancellationToken,
 ) {
+    let Schedule {
+        interval,
+        grace,
+        forget_offline_after,
+    } = schedule;
+    // The first window after the start is the start's grace (see `Hearing::new`).
     let mut hearing = Hearing::new(Instant::now());
-    tokio::select! {
-        () = stop.cancelled() => return,
-        () = tokio::time::sleep(grace) => {}
-    }
+    let mut forget_due = Instant::now();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             _ = ticker.tick() => {}
+        }
+        // Offline is a fact of the database, not a judgement of silence: no grace needed.
+        if let Some(unseen_for) = forget_offline_after
+            && Instant::now() >= forget_due
+        {
+            let more = forget_offline(&*store, unseen_for).await;
+            if !more {
+                forget_due = Instant::now() + forget_period(unseen_for);
+            }
         }
         let reachable = matches!(
             tokio::time::timeout(BUS_PROBE_TIMEOUT, notices.bus.flush()).await,
@@ -131,6 +165,33 @@ pub async fn run(
             }
             Ok(_) => {}
             Err(e) => tracing::warn!("reaping failed, retrying at the next interval: {e}"),
+        }
+    }
+}
+
+/// Between two rounds of deleting long-offline agents: [`FORGET_AGENTS_EVERY`], or a tenth
+/// of the time they are kept if that is shorter, so an agent is deleted within 10 % of it.
+fn forget_period(unseen_for: Duration) -> Duration {
+    FORGET_AGENTS_EVERY.min(unseen_for / 10)
+}
+
+/// Deletes one round of agents offline and unseen for `unseen_for`; whether more may be
+/// left (the round was full).
+async fn forget_offline(store: &dyn AgentStore, unseen_for: Duration) -> bool {
+    match store.forget_offline(unseen_for, FORGET_AGENTS_LIMIT).await {
+        Ok(0) => false,
+        Ok(forgotten) => {
+            metrics::counter!("aip_registry_agents_forgotten_total").increment(forgotten);
+            tracing::info!(
+                count = forgotten,
+                unseen_for_s = unseen_for.as_secs(),
+                "agents offline and unseen that long: deleted"
+            );
+            forgotten >= u64::from(FORGET_AGENTS_LIMIT)
+        }
+        Err(e) => {
+            tracing::warn!("deleting long-offline agents failed, retrying later: {e}");
+            false
         }
     }
 }

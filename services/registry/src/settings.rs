@@ -70,6 +70,11 @@ pub struct RegistrySettings {
     /// How often expired agents are marked offline. A gateway killed without a word takes its
     /// agents offline within `liveness_ms + reap_interval_ms`.
     pub reap_interval_ms: u64,
+    /// An agent offline and unseen for this long is deleted (it registers again as a new
+    /// id; its tasks stay in the session service). Galaxy names each constellation after its
+    /// task (`{task_name}@{device}`), so without this the table grows by a row per task for
+    /// ever. 0 keeps every agent. Default 7 days.
+    pub forget_offline_after_ms: u64,
     /// Bus requests handled at once by this replica; more wait (backpressure on NATS).
     pub max_in_flight: usize,
     /// Connections in the database pool.
@@ -104,6 +109,7 @@ impl Default for RegistrySettings {
             agent_liveness_ms: Some(100_000),
             presence_flush_ms: 500,
             reap_interval_ms: 1_000,
+            forget_offline_after_ms: 7 * 24 * 3600 * 1000,
             max_in_flight: 256,
             db_max_connections: 10,
             shutdown_grace_ms: 10_000,
@@ -202,6 +208,13 @@ impl RegistrySettings {
     /// [`RegistrySettings::reap_interval_ms`] as a duration.
     pub fn reap_interval(&self) -> Duration {
         Duration::from_millis(self.reap_interval_ms)
+    }
+
+    /// [`RegistrySettings::forget_offline_after_ms`] as a duration; `None` for 0 (keep every
+    /// agent).
+    pub fn forget_offline_after(&self) -> Option<Duration> {
+        (self.forget_offline_after_ms > 0)
+            .then(|| Duration::from_millis(self.forget_offline_after_ms))
     }
 
     /// [`RegistrySettings::shutdown_grace_ms`] as a duration.

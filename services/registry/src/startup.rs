@@ -133,8 +133,11 @@ impl Application {
             buffer,
             notices,
             windows,
-            settings.reap_interval(),
-            settings.liveness(),
+            reaper::Schedule {
+                interval: settings.reap_interval(),
+                grace: settings.liveness(),
+                forget_offline_after: settings.forget_offline_after(),
+            },
             stop.child_token(),
         ));
         let app = router(&settings, store, probes);

@@ -116,6 +116,13 @@ impl AgentStore for GatedStore {
     ) -> BoxFuture<'a, Result<Vec<store::Ended>, StoreError>> {
         self.inner.reap(windows, forget_gateways_after)
     }
+    fn forget_offline(
+        &self,
+        unseen_for: Duration,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.forget_offline(unseen_for, limit)
+    }
     fn end_gateway<'a>(
         &'a self,
         gateway_id: &'a str,

@@ -26,6 +26,7 @@ both_backends!(
     dead_stale_or_offline_entries_are_replaced,
     constellation_target_must_be_a_connected_device,
     unregister_by_a_stale_connection_is_ignored,
+    agents_offline_past_the_retention_are_forgotten,
     writes_sent_together_are_each_answered_as_alone,
     presence_keeps_agents_alive_and_silent_gateways_expire,
     stopping_gateway_takes_its_agents_offline_at_once,
@@ -377,6 +378,44 @@ async fn unregister_by_a_stale_connection_is_ignored(backend: Backend) {
     assert!(!again.went_offline, "already offline");
     let unknown = app.unregister("nobody", "c").await.expect("answered");
     assert!(!unknown.went_offline);
+    app.stop().await;
+}
+
+/// An agent offline and unseen for `forget_offline_after_ms` is deleted by the reaper (its id
+/// then registers as a new one); an agent offline for less, and a live one, stay.
+async fn agents_offline_past_the_retention_are_forgotten(backend: Backend) {
+    let app = TestApp::spawn(
+        backend,
+        Options {
+            liveness_ms: NEVER_EXPIRES_MS,
+            forget_offline_after_ms: 10_000,
+            ..Options::default()
+        },
+    )
+    .await;
+    for (id, connection) in [("gone", "c1"), ("recent", "c2"), ("live", "c3")] {
+        app.register(&device(id, "gw-1", connection, "lab"))
+            .await
+            .expect("registered");
+    }
+    app.unregister("gone", "c1").await.expect("unregistered");
+    app.unregister("recent", "c2").await.expect("unregistered");
+    app.age_agent("gone", 20_000).await;
+    app.age_agent("live", 20_000).await;
+
+    wait_until("the long-offline agent is forgotten", || async {
+        app.get("gone").await.is_err()
+    })
+    .await;
+    let gone = app.get("gone").await.expect_err("forgotten");
+    assert_eq!(gone.error_code, ErrorCode::NotFound, "{gone:?}");
+    assert_eq!(app.status("recent").await, AgentStatus::Offline);
+    assert_eq!(app.status("live").await, AgentStatus::Available);
+
+    app.register(&device("gone", "gw-1", "c4", "lab"))
+        .await
+        .expect("a forgotten id registers as a new one");
+    assert_eq!(app.status("gone").await, AgentStatus::Available);
     app.stop().await;
 }
 

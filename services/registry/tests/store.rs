@@ -48,6 +48,7 @@ both_databases!(
     presence_refreshes_revives_and_stops,
     one_flush_refreshes_a_whole_burst_of_connections,
     reaping_expires_silent_agents_and_forgets_dead_gateways,
+    long_offline_agents_are_deleted_a_bounded_number_at_a_time,
     a_restarted_gateway_ends_the_connections_it_held,
     unreadable_rows_are_reported_as_corrupt,
     ping_answers,
@@ -857,6 +858,49 @@ async fn presence_refreshes_revives_and_stops(backend: Backend) {
         .await;
     assert_eq!(applied.refreshed, 0);
     assert_eq!(f.get("s-1").await.status, AgentStatus::Offline);
+    f.close().await;
+}
+
+/// `forget_offline` deletes only agents offline and unseen for the time asked, at most the
+/// number asked, and leaves live agents however old their last sign of life.
+async fn long_offline_agents_are_deleted_a_bounded_number_at_a_time(backend: Backend) {
+    let f = Fixture::open(backend).await;
+    let old = Utc::now() - LONG_AGO;
+    for i in 0..3 {
+        let id = format!("old-{i}");
+        f.register(device(&id, "gw-1", &format!("c-{id}"), "lab"))
+            .await;
+        f.unregister(&id, &format!("c-{id}")).await;
+        f.set_last_seen(&id, old).await;
+    }
+    f.register(device("recent", "gw-1", "c-recent", "lab"))
+        .await;
+    f.unregister("recent", "c-recent").await;
+    f.register(device("live", "gw-1", "c-live", "lab")).await;
+    f.set_last_seen("live", old).await;
+    let unseen_for = Duration::from_secs(300);
+
+    assert_eq!(
+        f.store.forget_offline(unseen_for, 2).await.expect("forget"),
+        2
+    );
+    assert_eq!(
+        f.store.forget_offline(unseen_for, 2).await.expect("forget"),
+        1
+    );
+    assert_eq!(
+        f.store.forget_offline(unseen_for, 2).await.expect("forget"),
+        0
+    );
+    for i in 0..3 {
+        let id = format!("old-{i}");
+        assert!(
+            f.store.get(&id).await.expect("read").is_none(),
+            "{id} deleted"
+        );
+    }
+    assert_eq!(f.get("recent").await.status, AgentStatus::Offline);
+    assert_eq!(f.get("live").await.status, AgentStatus::Available);
     f.close().await;
 }
 

@@ -105,7 +105,39 @@ static FORGET_GATEWAYS: LazyLock<Sql> = LazyLock::new(|| {
     })
 });
 
+/// Deletes at most `$2` agents offline and unseen for `$1` milliseconds. On PostgreSQL the
+/// rows are locked first, skipping those a registration holds (and re-checked once locked,
+/// so an agent that registered again meanwhile stays); SQLite has one writer.
+static FORGET_OFFLINE: LazyLock<Sql> = LazyLock::new(|| {
+    Sql::render(|b| {
+        format!(
+            "DELETE FROM agents WHERE agent_id IN ( \
+                 SELECT agent_id FROM agents \
+                 WHERE status = 'offline' AND last_seen < {unseen} LIMIT $2{skip_locked})",
+            unseen = b.ago(1),
+            skip_locked = match b {
+                Backend::Postgres => " FOR UPDATE SKIP LOCKED",
+                Backend::Sqlite => "",
+            },
+        )
+    })
+});
+
 impl SqlAgentStore {
+    pub(super) async fn forget_offline_agents(
+        &self,
+        unseen_for: Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        Ok(self
+            .db
+            .query(&FORGET_OFFLINE)
+            .bind(millis(unseen_for))
+            .bind(i64::from(limit))
+            .execute()
+            .await?)
+    }
+
     /// One statement on PostgreSQL (a round trip per flush); on SQLite one transaction of
     /// three statements, whatever the number of agents.
     pub(super) async fn presence(

@@ -128,6 +128,14 @@ impl AgentStore for SqlAgentStore {
         self.gateway_restarted(gateway_id).boxed()
     }
 
+    fn forget_offline(
+        &self,
+        unseen_for: Duration,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.forget_offline_agents(unseen_for, limit).boxed()
+    }
+
     fn register_addressed<'a>(
         &'a self,
         registration: &'a AgentRegistration,
@@ -241,6 +249,15 @@ pub trait AgentStore: Send + Sync + 'static {
         &'a self,
         gateway_id: &'a str,
     ) -> BoxFuture<'a, Result<Vec<Ended>, StoreError>>;
+
+    /// Deletes at most `limit` agents that are offline and unseen for `unseen_for`; returns
+    /// how many. Such an id registers again as a new one (admission lets anyone take an
+    /// offline id anyway). Rows a registration holds locked are left for the next round.
+    fn forget_offline(
+        &self,
+        unseen_for: Duration,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// Registers an agent reached at an address (seed 004), unless its id is taken by such an
     /// agent or by a WebSocket client not offline: the stored agent, or `None` when taken.

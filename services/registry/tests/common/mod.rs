@@ -27,6 +27,7 @@ pub struct Options {
     pub reap_interval_ms: u64,
     pub presence_flush_ms: u64,
     pub api_keys: Vec<String>,
+    pub forget_offline_after_ms: u64,
 }
 
 impl Default for Options {
@@ -36,6 +37,7 @@ impl Default for Options {
             reap_interval_ms: 200,
             presence_flush_ms: 100,
             api_keys: vec![],
+            forget_offline_after_ms: RegistrySettings::default().forget_offline_after_ms,
         }
     }
 }
@@ -135,6 +137,7 @@ impl TestApp {
                 agent_liveness_ms: None,
                 presence_flush_ms: options.presence_flush_ms,
                 reap_interval_ms: options.reap_interval_ms,
+                forget_offline_after_ms: options.forget_offline_after_ms,
                 shutdown_grace_ms: 5_000,
                 ..RegistrySettings::default()
             },
