@@ -386,8 +386,9 @@ fn judge_all<'r>(
             }
         };
         if lost_race && holder.is_none() {
-            // The row that made the insert fail is not there (agents are never deleted, so
-            // this does not happen): the client may try again.
+            // The row that made the insert fail is not there. This does not happen: a row a
+            // concurrent registration just wrote is live, and only agents offline and unseen
+            // for long are ever deleted (`forget_offline`). The client may try again.
             registered[index] = Some(Err(StoreError::Contention {
                 agent_id: request.agent_id.clone(),
             }));
