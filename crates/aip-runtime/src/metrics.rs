@@ -102,6 +102,16 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
         "Ends of registered connections carried by those events (divided by the events: ends per stream message).",
     ),
     (
+        "aip_gateway_connection_ends_unannounced_total",
+        Kind::Counter,
+        "Ends of registered connections not announced to the session service: the connection sent it no frame and none was queued for it.",
+    ),
+    (
+        "aip_gateway_connection_ends_found_total",
+        Kind::Counter,
+        "Ends announced because a frame came for a connection the gateway no longer holds (its end had not been announced, or not yet).",
+    ),
+    (
         "aip_gateway_frame_events_total",
         Kind::Counter,
         "Frames-stream messages carrying client frames for the session service (a `frame` event, or a `frames_many` with the frames that gathered while one was on its way).",

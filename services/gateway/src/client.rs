@@ -82,11 +82,14 @@ pub(crate) struct Client {
     /// Who authenticated the socket: decides which identities it may register.
     pub(crate) principal: Principal,
     /// Set once the registry confirmed the registration; from then on, the connection's
-    /// end is reported.
+    /// end is reported to the registry, and to the session service if it may know the
+    /// connection ([`Client::sessions_may_know`]).
     pub(crate) identity: Option<Arc<Identity>>,
     pub(crate) rate: FrameRate,
     /// Frames put into the frames stream so far; numbers their `Nats-Msg-Id`.
     pub(crate) frames_forwarded: u64,
+    /// Whether a delivery was queued for the connection (known once its inbox is closed).
+    addressed: bool,
     /// Ids of recent deliveries, so a frame re-sent after a sender's crash is written once.
     pub(crate) recent_deliveries: RecentIds,
     /// The traces of the commands written, so their results join them.
@@ -133,6 +136,7 @@ pub fn serve(
         identity: None,
         rate: FrameRate::new(settings.frames_per_second),
         frames_forwarded: 0,
+        addressed: false,
         recent_deliveries: RecentIds::new(RECENT_DELIVERY_IDS),
         command_traces: Default::default(),
         state,
@@ -228,9 +232,26 @@ impl Client {
     /// Registered: frames both ways until something ends the connection.
     async fn registered(&mut self, registration: Registration) -> End {
         let Registration {
-            deliveries,
+            mut deliveries,
             liveness,
         } = registration;
+        let end = self.serve_registered(&deliveries, &liveness).await;
+        // Before the end is reported: a delivery from now on finds the connection gone.
+        self.addressed = deliveries.close();
+        end
+    }
+
+    /// Whether the session service may know this connection, and so must hear of its end:
+    /// it sent a frame on, or was sent one ([`crate::events`]).
+    fn sessions_may_know(&self) -> bool {
+        self.frames_forwarded > 0 || self.addressed
+    }
+
+    async fn serve_registered(
+        &mut self,
+        deliveries: &crate::deliveries::Inbox,
+        liveness: &Liveness,
+    ) -> End {
         let settings = &self.state.settings.gateway;
         let liveness_timeout = Duration::from_millis(settings.liveness_timeout_ms);
         let ping_every = Duration::from_millis(settings.ping_interval_ms)
@@ -355,8 +376,12 @@ impl Client {
             self.state
                 .devices
                 .remove(&identity.client_id, &self.connection_id);
-            crate::events::announce_closed(&self.state, identity, &self.connection_id, &reason)
-                .await;
+            if self.sessions_may_know() {
+                crate::events::announce_closed(&self.state, identity, &self.connection_id, &reason)
+                    .await;
+            } else {
+                metrics::counter!("aip_gateway_connection_ends_unannounced_total").increment(1);
+            }
             handlers::register::unregister(&self.state, identity, &self.connection_id, &reason)
                 .await;
         }

@@ -10,7 +10,11 @@
 //! holds it, else to the client's newest connection here (which drops a frame bound to
 //! another connection, [`crate::handlers::delivery`]). A message for a client this gateway
 //! does not hold is dropped unanswered: the session service sends an unacknowledged frame
-//! again, to the gateway the registry then names. Device-info requests from other gateways
+//! again, to the gateway the registry then names. A frame bound to a connection that is not
+//! here (any more) also brings that connection's end ([`crate::events::Closings::announce_gone`]):
+//! the end of a connection the session service had not heard from is not announced when it
+//! happens ([`crate::events`]). A connection to which a delivery was queued is marked, and its
+//! end is announced ([`Inbox::close`]). Device-info requests from other gateways
 //! are answered here, from [`crate::devices`], without reaching the connection. A
 //! [`DeliveryBatch`] (`Aip-Control: batch`) is taken apart into the messages it stands for,
 //! each routed as if it had come alone.
@@ -53,6 +57,9 @@ struct Table {
 struct Held {
     connection_id: String,
     queue: flume::Sender<BusMessage>,
+    /// Whether a delivery was queued for this connection: the session service then knows
+    /// the connection, and must hear of its end.
+    addressed: bool,
 }
 
 /// Why a connection could not be given an inbox.
@@ -60,13 +67,14 @@ struct Held {
 #[error("this gateway's delivery subscription ended; reconnect")]
 pub struct DeliveriesEnded;
 
-/// Where a connection receives its deliveries; leaving the routes when dropped.
+/// Where a connection receives its deliveries; leaving the routes when closed or dropped.
 #[derive(Debug)]
 pub struct Inbox {
     routes: Arc<Routes>,
     client_id: String,
     connection_id: String,
     queue: flume::Receiver<BusMessage>,
+    left: bool,
 }
 
 impl Inbox {
@@ -74,11 +82,23 @@ impl Inbox {
     pub async fn next(&self) -> Option<BusMessage> {
         self.queue.recv_async().await.ok()
     }
+
+    /// Leaves the routes: a delivery for this connection from now on finds it gone. Returns
+    /// whether one was ever queued for it (or whether that is no longer known, once the
+    /// gateway's subscription ended), that is, whether the session service may know the
+    /// connection.
+    pub fn close(&mut self) -> bool {
+        if self.left {
+            return false;
+        }
+        self.left = true;
+        self.routes.close(&self.client_id, &self.connection_id)
+    }
 }
 
 impl Drop for Inbox {
     fn drop(&mut self) {
-        self.routes.close(&self.client_id, &self.connection_id);
+        self.close();
     }
 }
 
@@ -112,12 +132,14 @@ impl Routes {
             .push(Held {
                 connection_id: connection_id.to_owned(),
                 queue,
+                addressed: false,
             });
         Ok(Inbox {
             routes: self.clone(),
             client_id: client_id.to_owned(),
             connection_id: connection_id.to_owned(),
             queue: receiver,
+            left: false,
         })
     }
 
@@ -131,14 +153,24 @@ impl Routes {
         self.len() == 0
     }
 
-    fn close(&self, client_id: &str, connection_id: &str) {
+    /// Removes the connection; whether a delivery was ever queued for it (true once every
+    /// inbox ended: that is no longer known).
+    fn close(&self, client_id: &str, connection_id: &str) -> bool {
         let mut table = self.lock();
-        if let Some(held) = table.clients.get_mut(client_id) {
-            held.retain(|h| h.connection_id != connection_id);
-            if held.is_empty() {
-                table.clients.remove(client_id);
-            }
+        if table.closed {
+            return true;
         }
+        let Some(held) = table.clients.get_mut(client_id) else {
+            return false;
+        };
+        let addressed = held
+            .iter()
+            .any(|h| h.connection_id == connection_id && h.addressed);
+        held.retain(|h| h.connection_id != connection_id);
+        if held.is_empty() {
+            table.clients.remove(client_id);
+        }
+        addressed
     }
 
     /// Ends every inbox: the connections see their deliveries end.
@@ -149,23 +181,26 @@ impl Routes {
     }
 
     fn route(&self, message: BusMessage) -> Routed {
-        let table = self.lock();
+        let mut table = self.lock();
         let Some(held) = message
             .headers
             .get(names::CLIENT)
-            .and_then(|client| table.clients.get(client))
+            .and_then(|client| table.clients.get_mut(client))
         else {
             return Routed::NotHeld;
         };
         let named = message
             .headers
             .get(names::CONNECTION)
-            .and_then(|c| held.iter().find(|h| h.connection_id == c));
-        let Some(target) = named.or(held.last()) else {
+            .and_then(|c| held.iter().position(|h| h.connection_id == c));
+        let Some(target) = named.or(held.len().checked_sub(1)).map(|i| &mut held[i]) else {
             return Routed::NotHeld;
         };
         match target.queue.try_send(message) {
-            Ok(()) => Routed::Queued,
+            Ok(()) => {
+                target.addressed = true;
+                Routed::Queued
+            }
             // A receiver gone is an inbox being dropped: its connection is ending.
             Err(flume::TrySendError::Disconnected(_)) => Routed::NotHeld,
             Err(flume::TrySendError::Full(_)) => Routed::Full,
@@ -204,7 +239,7 @@ pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
             match unpack(&message) {
                 Ok(deliveries) => {
                     for delivery in deliveries {
-                        route(&state.routes, delivery);
+                        route(&state, delivery);
                     }
                 }
                 Err(e) => {
@@ -216,7 +251,7 @@ pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
             }
             continue;
         }
-        route(&state.routes, message);
+        route(&state, message);
     }
     if !state.shutdown.is_cancelled() {
         tracing::error!("the delivery subscription ended; closing every connection");
@@ -224,10 +259,13 @@ pub async fn run(state: Arc<AppState>, mut subscription: Subscription) {
     state.routes.close_all();
 }
 
-/// Hands one delivery to its client's connection, counting what could not be.
-fn route(routes: &Routes, message: BusMessage) {
+/// Hands one delivery to its client's connection, counting what could not be. A frame bound
+/// to a connection this gateway does not hold brings that connection's end (its end may not
+/// have been announced: [`crate::events`]).
+fn route(state: &AppState, message: BusMessage) {
     let client = message.headers.get(names::CLIENT).map(str::to_owned);
-    match routes.route(message) {
+    let connection = message.headers.get(names::CONNECTION).map(str::to_owned);
+    match state.routes.route(message) {
         Routed::Queued => {}
         Routed::NotHeld => {
             tracing::debug!(
@@ -235,6 +273,15 @@ fn route(routes: &Routes, message: BusMessage) {
                 "a delivery for a client this gateway does not hold, dropped"
             );
             metrics::counter!("aip_gateway_deliveries_total", "outcome" => "not_held").increment(1);
+            if let (Some(client), Some(connection)) = (client, connection) {
+                // Bound frames are an executor's commands: executors are devices.
+                state.closings.announce_gone(
+                    &state.gateway_id,
+                    &client,
+                    &connection,
+                    proto_schemas::ClientType::Device,
+                );
+            }
         }
         Routed::Full => {
             tracing::warn!(

@@ -1,7 +1,18 @@
 //! What the gateway tells the session service: client frames it does not answer itself,
-//! and the end of a registered connection. Both go into the durable frames stream, stored
-//! before the publish returns, so a session service that restarts loses none; frames that
-//! come together go in one event, and so do ends.
+//! and the ends of registered connections the session service may know. Both go into the
+//! durable frames stream, stored before the publish returns, so a session service that
+//! restarts loses none; frames that come together go in one event, and so do ends.
+//!
+//! The session service knows a connection only from what passed between them: a frame the
+//! connection sent, or a frame sent to it (a task's command names the connection its task
+//! was placed on). So the end of a connection is announced when it forwarded a frame or a
+//! delivery was queued for it ([`crate::deliveries::Inbox::close`]); the end of a connection
+//! that only registered, answered heartbeats and left is not, which spares the frames stream,
+//! the bus and the session service a stored event, its delivery and two acknowledgements
+//! for each such connection (a third of all the CPU a registration cost, measured). A frame
+//! that reaches the gateway for a connection it no longer holds (the session service placed
+//! a task on it from the registry's record as it ended) brings that end at once
+//! ([`Closings::announce_gone`]), so the task ends as if the end had been announced.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +23,7 @@ use proto_schemas::sessions::{
     ConnectionClosed, ConnectionsClosed, GatewayEvent, InboundFrame, MAX_CLOSED_MANY,
     MAX_FRAMES_MANY,
 };
-use proto_schemas::{Subjects, V1};
+use proto_schemas::{ClientType, Subjects, V1};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -404,6 +415,11 @@ pub(crate) async fn announce_closed(
 /// end, so this only bounds memory).
 const CLOSINGS_CAPACITY: usize = 4096;
 
+/// Connections whose end was announced because a frame came for them after it, remembered so
+/// that the frames that follow (a batch for one connection, a frame sent again) do not
+/// announce it again.
+const GONE_ANNOUNCED: usize = 1024;
+
 /// The ends of this gateway's connections on their way to the frames stream, gathered.
 ///
 /// Under load many connections end at once, and each end as its own stream message costs a
@@ -414,6 +430,7 @@ const CLOSINGS_CAPACITY: usize = 4096;
 /// [`MAX_CLOSED_MANY`]). A lone end is a `closed` event, as before.
 pub struct Closings {
     queue: flume::Sender<(ConnectionClosed, oneshot::Sender<()>)>,
+    gone: std::sync::Mutex<aip_bus::RecentIds>,
 }
 
 impl Closings {
@@ -422,7 +439,10 @@ impl Closings {
     pub fn start(bus: SharedBus, blobs: BlobStore, subjects: Subjects) -> Self {
         let (queue, waiting) = flume::bounded(CLOSINGS_CAPACITY);
         tokio::spawn(store_closings(bus, blobs, subjects, waiting));
-        Closings { queue }
+        Closings {
+            queue,
+            gone: std::sync::Mutex::new(aip_bus::RecentIds::new(GONE_ANNOUNCED)),
+        }
     }
 
     /// Reports `closed`, with whatever else is waiting; returns once it is stored (or could
@@ -434,7 +454,53 @@ impl Closings {
             tracing::warn!(client = %client_id, "session service not told of the disconnect: the gateway is stopping");
         }
     }
+
+    /// A frame came for `connection_id` of `client_id`, which this gateway does not hold
+    /// (any more): reports its end, without waiting, once per [`GONE_ANNOUNCED`] such
+    /// connections. The session service applies an end it already had as a no-op.
+    pub fn announce_gone(
+        &self,
+        gateway_id: &str,
+        client_id: &str,
+        connection_id: &str,
+        client_type: ClientType,
+    ) {
+        let first = self
+            .gone
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first_time(connection_id);
+        if !first {
+            return;
+        }
+        metrics::counter!("aip_gateway_connection_ends_found_total").increment(1);
+        tracing::debug!(
+            client = client_id,
+            connection = connection_id,
+            "a frame for a connection that has ended: its end is announced"
+        );
+        let closed = ConnectionClosed {
+            version: V1,
+            gateway_id: gateway_id.to_owned(),
+            connection_id: connection_id.to_owned(),
+            client_id: client_id.to_owned(),
+            client_type,
+            reason: GONE_REASON.to_owned(),
+        };
+        // Nobody waits for it to be stored.
+        let (stored, _) = oneshot::channel();
+        if let Err(e) = self.queue.try_send((closed, stored)) {
+            tracing::warn!(
+                client = client_id,
+                connection = connection_id,
+                "the end of a connection a frame came for was not announced ({e}); its task ends at its deadline"
+            );
+        }
+    }
 }
+
+/// The reason given with an end announced because a frame came for the connection.
+const GONE_REASON: &str = "the connection had ended when a frame came for it";
 
 /// Stores the queued ends, one event at a time, until the queue is dropped.
 async fn store_closings(

@@ -990,6 +990,14 @@ impl Engine {
         }
     }
 
+    /// A frame came from `connection_id` of `agent_id`: a kept record of that connection may
+    /// be used (`crate::targets`).
+    pub(crate) fn target_heard(&self, agent_id: &str, connection_id: &str) {
+        if let Ok(mut cache) = self.targets.lock() {
+            cache.heard(agent_id, connection_id);
+        }
+    }
+
     /// Finds the executor candidates: an explicit target must be an online device; otherwise
     /// the registry's available agents with the capabilities.
     async fn resolve(&self, new: &NewTask) -> Result<Vec<AgentRecord>, ErrorBody> {

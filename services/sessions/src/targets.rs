@@ -5,15 +5,19 @@
 //! largest single step of a task at one client (about 0.9 ms of 3.3). A device that runs one
 //! task after another is asked about again and again, so the answer is kept for [`FRESH_FOR`].
 //!
-//! A kept record can only be wrong one way: the device's connection ended. Every end of a
-//! connection reaches the session service as a `closed` event in the frames stream (from its
-//! gateway, or from the registry when the gateway is gone or the device registered again), and
-//! the consumer forgets the device's record as it reads one. A task prepared with a record
-//! that was already stale is caught when it is applied: the leader remembers the connections
-//! that closed and refuses to start a task on one (`Machine::choose`), as the registry would
-//! have. A lookup that was under way when the record was forgotten does not put its answer
-//! back. Only devices that can take a task are kept: an unknown or offline target is asked
-//! about every time, so a device that comes online is found at once.
+//! A kept record can only be wrong one way: the device's connection ended. A gateway announces
+//! the end of every connection that sent the session service a frame or was sent one, as a
+//! `closed` event in the frames stream (so does the registry when the gateway is gone or the
+//! device registered again), and the consumer forgets the device's record as it reads one.
+//! The end of a connection that did neither is not announced (the gateway's `events` module),
+//! so a record is used only once a frame came from its connection ([`TargetCache::heard`]):
+//! the task its lookup was for sent a command there, and the device answered. Until then the
+//! registry is asked each time. A task prepared with a record that was already stale is
+//! caught when it is applied: the leader remembers the connections that closed and refuses
+//! to start a task on one (`Machine::choose`), as the registry would have. A lookup that was
+//! under way when the record was forgotten does not put its answer back. Only devices that
+//! can take a task are kept: an unknown or offline target is asked about every time, so a
+//! device that comes online is found at once.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -30,9 +34,9 @@ pub const MAX_KEPT: usize = 16_384;
 /// What is known of one device.
 #[derive(Debug)]
 enum Slot {
-    /// The registry's record (boxed: most slots are forgotten devices) and when it was asked
-    /// for.
-    Known(Box<AgentRecord>, Instant),
+    /// The registry's record (boxed: most slots are forgotten devices), when it was asked for,
+    /// and whether a frame came from its connection since (only then is it used).
+    Known(Box<AgentRecord>, Instant, bool),
     /// A connection of this device ended at this time: answers asked for before it are stale.
     Forgotten(Instant),
 }
@@ -49,7 +53,9 @@ impl TargetCache {
     /// A fresh record of `agent_id`, if one is kept.
     pub fn get(&self, agent_id: &str, now: Instant) -> Option<&AgentRecord> {
         match self.slots.get(agent_id)? {
-            Slot::Known(record, asked) if now.duration_since(*asked) < FRESH_FOR => Some(record),
+            Slot::Known(record, asked, true) if now.duration_since(*asked) < FRESH_FOR => {
+                Some(record)
+            }
             Slot::Known(..) | Slot::Forgotten(_) => None,
         }
     }
@@ -66,15 +72,25 @@ impl TargetCache {
         }
         let newer = match self.slots.get(&record.agent_id) {
             None => true,
-            Some(Slot::Known(_, at)) => *at <= asked,
+            Some(Slot::Known(_, at, _)) => *at <= asked,
             Some(Slot::Forgotten(at)) => *at < asked,
         };
         if newer {
             self.make_room(asked);
             self.slots.insert(
                 record.agent_id.clone(),
-                Slot::Known(Box::new(record.clone()), asked),
+                Slot::Known(Box::new(record.clone()), asked, false),
             );
+        }
+    }
+
+    /// A frame came from `connection_id` of `agent_id`: its gateway will announce the
+    /// connection's end, so a kept record of that connection may be used from now on.
+    pub fn heard(&mut self, agent_id: &str, connection_id: &str) {
+        if let Some(Slot::Known(record, _, heard)) = self.slots.get_mut(agent_id)
+            && record.connection_id == connection_id
+        {
+            *heard = true;
         }
     }
 
@@ -92,7 +108,7 @@ impl TargetCache {
             return;
         }
         self.slots.retain(|_, slot| match slot {
-            Slot::Known(_, at) | Slot::Forgotten(at) => now.duration_since(*at) < FRESH_FOR,
+            Slot::Known(_, at, _) | Slot::Forgotten(at) => now.duration_since(*at) < FRESH_FOR,
         });
         if self.slots.len() >= MAX_KEPT {
             self.slots.clear();
@@ -111,11 +127,17 @@ mod tests {
         record
     }
 
+    /// Keeps `record` and hears a frame from its connection, so it is used.
+    fn put_heard(cache: &mut TargetCache, record: &AgentRecord, asked: Instant) {
+        cache.put(record, asked);
+        cache.heard(&record.agent_id, &record.connection_id);
+    }
+
     #[test]
     fn a_record_is_used_while_fresh() {
         let mut cache = TargetCache::default();
         let t0 = Instant::now();
-        cache.put(&device("d1", "c1"), t0);
+        put_heard(&mut cache, &device("d1", "c1"), t0);
         assert_eq!(cache.get("d1", t0).expect("kept").connection_id, "c1");
         assert_eq!(
             cache
@@ -132,19 +154,43 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_connection_forgets_the_device_and_older_answers_stay_out() {
+    fn a_record_is_used_only_once_its_connection_sent_a_frame() {
+        // Its gateway announces the end of such a connection only.
         let mut cache = TargetCache::default();
         let t0 = Instant::now();
         cache.put(&device("d1", "c1"), t0);
+        assert!(cache.get("d1", t0).is_none(), "no frame from c1 yet");
+        cache.heard("d1", "c0");
+        assert!(
+            cache.get("d1", t0).is_none(),
+            "a frame from another connection"
+        );
+        cache.heard("d1", "c1");
+        assert_eq!(cache.get("d1", t0).expect("used").connection_id, "c1");
+        // A newer lookup's record of another connection waits for a frame of its own.
+        let later = t0 + Duration::from_millis(1);
+        cache.put(&device("d1", "c2"), later);
+        assert!(cache.get("d1", later).is_none());
+    }
+
+    #[test]
+    fn a_closed_connection_forgets_the_device_and_older_answers_stay_out() {
+        let mut cache = TargetCache::default();
+        let t0 = Instant::now();
+        put_heard(&mut cache, &device("d1", "c1"), t0);
         let closed = t0 + Duration::from_millis(5);
         cache.forget("d1", closed);
         assert!(cache.get("d1", closed).is_none());
         // A lookup begun before the end answers late: it may still name the old connection.
-        cache.put(&device("d1", "c1"), t0 + Duration::from_millis(1));
+        put_heard(
+            &mut cache,
+            &device("d1", "c1"),
+            t0 + Duration::from_millis(1),
+        );
         assert!(cache.get("d1", closed).is_none());
         // A lookup begun after it is kept.
         let later = closed + Duration::from_millis(1);
-        cache.put(&device("d1", "c2"), later);
+        put_heard(&mut cache, &device("d1", "c2"), later);
         assert_eq!(cache.get("d1", later).expect("kept").connection_id, "c2");
     }
 
@@ -158,10 +204,10 @@ mod tests {
         assert!(cache.get("d1", t0).is_none());
         let mut constellation = device("g1", "c2");
         constellation.client_type = ClientType::Constellation;
-        cache.put(&constellation, t0);
+        put_heard(&mut cache, &constellation, t0);
         assert!(cache.get("g1", t0).is_none());
         // An offline answer also drops what was kept.
-        cache.put(&device("d1", "c1"), t0);
+        put_heard(&mut cache, &device("d1", "c1"), t0);
         cache.put(&offline, t0);
         assert!(cache.get("d1", t0).is_none());
     }
@@ -176,10 +222,10 @@ mod tests {
         assert!(cache.slots.len() <= MAX_KEPT);
         // Everything was as fresh as everything else: it all went, and an answer to a lookup
         // begun before that does not come back.
-        cache.put(&device("late", "c"), t0);
+        put_heard(&mut cache, &device("late", "c"), t0);
         assert!(cache.get("late", t0).is_none());
         let later = t0 + Duration::from_millis(1);
-        cache.put(&device("late", "c"), later);
+        put_heard(&mut cache, &device("late", "c"), later);
         assert!(cache.get("late", later).is_some());
     }
 }

@@ -264,6 +264,7 @@ async fn prepare_chunk(
             Inbound::Frame(f) => {
                 let routes = engine.routes();
                 routes.heard(&f.client_id, &f.gateway_id, &f.connection_id);
+                engine.target_heard(&f.client_id, &f.connection_id);
                 if f.delivery_batches {
                     routes.reads_batches(&f.gateway_id);
                 }

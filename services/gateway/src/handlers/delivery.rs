@@ -24,7 +24,8 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
     // A frame for one connection of this client (an executor's command, bound to the
     // connection its task was placed on) that reaches another one, the client's next
     // connection after a crash, is not written: it would run a command twice. Acknowledged,
-    // since no connection can take it any more.
+    // since no connection can take it any more; and that connection's end is announced, in
+    // case it was not when it ended (`crate::events`).
     if let Some(connection) = message.headers.get(names::CONNECTION)
         && connection != client.connection_id
     {
@@ -34,6 +35,14 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
         );
         metrics::counter!("aip_gateway_deliveries_total", "outcome" => "other_connection")
             .increment(1);
+        if let Some(identity) = &client.identity {
+            client.state.closings.announce_gone(
+                &client.state.gateway_id,
+                &identity.client_id,
+                connection,
+                identity.client_type,
+            );
+        }
         acknowledge(client, &message).await;
         return Ok(());
     }
