@@ -367,7 +367,9 @@ pub const CATALOGUE: &[SubjectSpec] = &[
         consumers: &["aip-sessions (durable consumer `aip-sessions` on stream `<prefix>_frames`)"],
         description: "Client frames the session service handles (task, command_results, task_end, \
             extension frames) with the identity the gateway pinned to the connection, and the end of \
-            each registered connection. `Nats-Msg-Id` is `<connection id>:<frame number>`, so a \
+            each registered connection the session service may know: one that sent a frame on or \
+            was sent one (the end of any other connection is stored when a frame comes for it \
+            after it ended). `Nats-Msg-Id` is `<connection id>:<frame number>`, so a \
             re-sent frame is stored once. Frames that came while one was on its way travel \
             together as one `frames_many` event (`Nats-Msg-Id` `<first frame's id>:many`, on the \
             subject of the first frame's client), each with its own id, by which the session \
