@@ -67,16 +67,9 @@ impl Ends {
     }
 }
 
-/// The connection id the registry holds for `id`.
-async fn connection_of(stack: &Stack, id: &str) -> String {
-    let record = agent(&stack.registry_url(), id).await.expect("known");
-    record["connection_id"]
-        .as_str()
-        .expect("a connection id")
-        .to_owned()
-}
-
-async fn only_connections_the_session_service_may_know_have_their_end_announced(backend: Backend) {
+/// A gateway and a registry without a session service, the frames stream made, and a reader
+/// of the ends stored in it.
+async fn gateway_alone(backend: Backend) -> (Stack, Subjects, Ends) {
     let options = Options {
         sessions: false,
         ..Options::default()
@@ -91,7 +84,43 @@ async fn only_connections_the_session_service_may_know_have_their_end_announced(
         ))
         .await
         .expect("frames stream");
-    let mut stored = Ends::open(&stack, &subjects).await;
+    let stored = Ends::open(&stack, &subjects).await;
+    (stack, subjects, stored)
+}
+
+/// A command for `connection` of `client`, as the session service sends one to the gateway
+/// the registry names (no acknowledgement asked).
+async fn command_for(
+    stack: &Stack,
+    subjects: &Subjects,
+    gateway: &str,
+    client: &str,
+    connection: &str,
+) {
+    stack
+        .bus
+        .publish(
+            subjects.deliver(gateway),
+            Headers::new()
+                .with(names::CLIENT, client)
+                .with(names::CONNECTION, connection),
+            r#"{"type":"command"}"#.as_bytes().to_vec().into(),
+        )
+        .await
+        .expect("published");
+}
+
+/// The connection id the registry holds for `id`.
+async fn connection_of(stack: &Stack, id: &str) -> String {
+    let record = agent(&stack.registry_url(), id).await.expect("known");
+    record["connection_id"]
+        .as_str()
+        .expect("a connection id")
+        .to_owned()
+}
+
+async fn only_connections_the_session_service_may_know_have_their_end_announced(backend: Backend) {
+    let (stack, subjects, mut stored) = gateway_alone(backend).await;
     let url = stack.ws_url(0);
     let gateway = stack.gateways[0].id.clone();
 
@@ -139,17 +168,7 @@ async fn only_connections_the_session_service_may_know_have_their_end_announced(
     // A command for `quiet`'s connection, as if a task had been placed on it as it ended:
     // its end comes now, once however many frames come for it.
     for _ in 0..3 {
-        stack
-            .bus
-            .publish(
-                subjects.deliver(&gateway),
-                Headers::new()
-                    .with(names::CLIENT, "quiet")
-                    .with(names::CONNECTION, quiet_connection.clone()),
-                r#"{"type":"command"}"#.as_bytes().to_vec().into(),
-            )
-            .await
-            .expect("published");
+        command_for(&stack, &subjects, &gateway, "quiet", &quiet_connection).await;
     }
     let found = stored.read(3, Duration::from_millis(500)).await.to_vec();
     let quiet_ends: Vec<&ConnectionClosed> = found
@@ -167,21 +186,7 @@ both_backends!(only_connections_the_session_service_may_know_have_their_end_anno
 /// A frame bound to an earlier connection of a client reaches its newer one: it is not
 /// written (it would run a command twice), and the earlier connection's end is announced.
 async fn a_frame_for_an_earlier_connection_brings_that_connections_end(backend: Backend) {
-    let options = Options {
-        sessions: false,
-        ..Options::default()
-    };
-    let stack = Stack::start(backend, options).await.expect("stack");
-    let subjects = Subjects::new(&stack.prefix).expect("prefix");
-    stack
-        .bus
-        .ensure_stream(StreamSpec::new(
-            subjects.frames_stream(),
-            vec![subjects.frames_all()],
-        ))
-        .await
-        .expect("frames stream");
-    let mut stored = Ends::open(&stack, &subjects).await;
+    let (stack, subjects, mut stored) = gateway_alone(backend).await;
     let url = stack.ws_url(0);
     let gateway = stack.gateways[0].id.clone();
     let first = registered(&url, &device_register("phone", "linux")).await;
@@ -189,17 +194,7 @@ async fn a_frame_for_an_earlier_connection_brings_that_connections_end(backend: 
     first.close().await;
     until_offline(&stack, "phone").await;
     let mut second: Ws = registered(&url, &device_register("phone", "linux")).await;
-    stack
-        .bus
-        .publish(
-            subjects.deliver(&gateway),
-            Headers::new()
-                .with(names::CLIENT, "phone")
-                .with(names::CONNECTION, earlier.clone()),
-            r#"{"type":"command"}"#.as_bytes().to_vec().into(),
-        )
-        .await
-        .expect("published");
+    command_for(&stack, &subjects, &gateway, "phone", &earlier).await;
     let ends = stored.read(1, Duration::from_millis(300)).await.to_vec();
     assert_eq!(ends.len(), 1, "{ends:?}");
     assert_eq!(ends[0].connection_id, earlier);
