@@ -9,7 +9,8 @@
 //! delivery was queued for it ([`crate::deliveries::Inbox::close`]); the end of a connection
 //! that only registered, answered heartbeats and left is not, which spares the frames stream,
 //! the bus and the session service a stored event, its delivery and two acknowledgements
-//! for each such connection (a third of all the CPU a registration cost, measured). A frame
+//! for each such connection (about a quarter of all the CPU a registration cost, measured
+//! at 10 clients: docs/benchmarks.md, session 52). A frame
 //! that reaches the gateway for a connection it no longer holds (the session service placed
 //! a task on it from the registry's record as it ended) brings that end at once
 //! ([`Closings::announce_gone`]), so the task ends as if the end had been announced.
