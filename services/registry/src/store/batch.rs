@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use aip_store::{Database, List, Sql, Tx};
+use aip_store::{Database, List, Sql, Timestamp, Tx};
 use proto_schemas::registry::{AgentRecord, AgentStatus, RegisterAgent, Registered};
 use sqlx::FromRow;
 use sqlx::types::Json;
@@ -23,6 +23,7 @@ use sqlx::types::Json;
 use super::{
     AGENT_COLUMNS, Admit, AgentRow, BatchOutcome, Holder, RETURNING_COLUMNS, RegisterOutcome,
     SqlAgentStore, StoreError, Unregister, Windows, WriteBatch, extension_names, millis,
+    new_record,
 };
 
 /// A registration records its gateway as alive (its presence reports may not have been
@@ -616,8 +617,8 @@ mod postgres {
     }
 
     /// Inserts the registrations of [`UNNEST_REGISTRATIONS`] of kind `new`, in id order,
-    /// returning the rows written; an id that exists by then is left alone.
-    static INSERT_NEW: LazyLock<String> = LazyLock::new(|| {
+    /// returning `returning` of the rows written; an id that exists by then is left alone.
+    fn insert_new(returning: &str) -> String {
         format!(
             "INSERT INTO agents AS a (agent_id, client_type, platform, status, capabilities, \
                  tools, system_info, metadata, extensions, target_id, principal, gateway_id, \
@@ -626,14 +627,16 @@ mod postgres {
                  r.tools::jsonb, r.system_info::jsonb, r.metadata::jsonb, r.extensions::jsonb, \
                  r.target_id, r.principal, r.gateway_id, r.connection_id, 0, now(), now() \
              FROM {UNNEST_REGISTRATIONS} WHERE r.kind = 'new' ORDER BY r.agent_id \
-             ON CONFLICT (agent_id) DO NOTHING RETURNING {AGENT_COLUMNS}"
+             ON CONFLICT (agent_id) DO NOTHING RETURNING {returning}"
         )
-    });
+    }
 
     /// Takes the agents at `$14` offline where the connections at `$15` still hold them
     /// (their rows locked in id order, as everywhere) and inserts the new ids, in one
     /// statement. Each row returned is an agent written: `registration` says which part
-    /// wrote it, `went_offline` whether an unregistration's agent was not offline before.
+    /// wrote it, `connected_at` when it was inserted (a registration's), `went_offline`
+    /// whether an unregistration's agent was not offline before. Only ids and these come
+    /// back: the caller has the rest (a new agent's record is its request's fields).
     static WRITE_NEW: LazyLock<String> = LazyLock::new(|| {
         format!(
             "WITH ended AS ( \
@@ -644,11 +647,12 @@ mod postgres {
              ), offline AS ( \
                  UPDATE agents AS a SET status = 'offline', offline_reason = 'unregistered' \
                  FROM ended e WHERE a.agent_id = e.agent_id \
-                 RETURNING {AGENT_COLUMNS}, e.status <> 'offline' AS went_offline \
-             ), inserted AS ({INSERT_NEW}) \
-             SELECT true AS registration, i.*, false AS went_offline FROM inserted i \
-             UNION ALL SELECT false, o.* FROM offline o",
-            INSERT_NEW = *INSERT_NEW,
+                 RETURNING a.agent_id, e.status <> 'offline' AS went_offline \
+             ), inserted AS ({inserted}) \
+             SELECT true AS registration, i.agent_id, i.connected_at, false AS went_offline \
+                 FROM inserted i \
+             UNION ALL SELECT false, o.agent_id, NULL, o.went_offline FROM offline o",
+            inserted = insert_new("a.agent_id, a.connected_at"),
         )
     });
 
@@ -656,9 +660,9 @@ mod postgres {
     #[derive(FromRow)]
     struct WrittenRow {
         registration: bool,
+        agent_id: String,
+        connected_at: Option<Timestamp>,
         went_offline: bool,
-        #[sqlx(flatten)]
-        agent: AgentRow,
     }
 
     /// What [`write_new_at_once`] wrote.
@@ -693,12 +697,25 @@ mod postgres {
             inserted: HashMap::with_capacity(new.len()),
             went_offline: HashSet::with_capacity(unregisters.len()),
         };
+        let requests: HashMap<&str, &RegisterAgent> = new
+            .iter()
+            .map(|a| (a.request.agent_id.as_str(), a.request))
+            .collect();
         for row in rows {
             if row.registration {
-                let agent = row.agent.into_record()?;
-                written.inserted.insert(agent.agent_id.clone(), agent);
+                let (Some(request), Some(at)) =
+                    (requests.get(row.agent_id.as_str()), row.connected_at)
+                else {
+                    return Err(StoreError::Corrupt {
+                        detail: "the insert returned an agent not asked for, or no time".into(),
+                        agent_id: row.agent_id,
+                    });
+                };
+                written
+                    .inserted
+                    .insert(row.agent_id, new_record(request, at));
             } else if row.went_offline {
-                written.went_offline.insert(row.agent.agent_id);
+                written.went_offline.insert(row.agent_id);
             }
         }
         Ok(written)
@@ -712,7 +729,7 @@ mod postgres {
             "WITH offline AS ( \
                  UPDATE agents SET status = 'offline', offline_reason = 'unregistered' \
                  WHERE agent_id = ANY($14::text[]) \
-             ), inserted AS ({insert_new}), updated AS ( \
+             ), inserted AS ({inserted}), updated AS ( \
                  UPDATE agents AS a SET client_type = r.client_type, platform = r.platform, \
                      status = CASE WHEN a.connection_id = r.connection_id AND a.status = 'busy' \
                          THEN 'busy' ELSE 'available' END, \
@@ -730,7 +747,7 @@ mod postgres {
                  RETURNING {AGENT_COLUMNS} \
              ) \
              SELECT * FROM inserted UNION ALL SELECT * FROM updated",
-            insert_new = *INSERT_NEW,
+            inserted = insert_new(AGENT_COLUMNS),
         )
     });
 

@@ -564,6 +564,29 @@ impl AgentRow {
     }
 }
 
+/// The record a first registration writes: the request's own fields, available, no load,
+/// connected and last seen at `at` (the database's time of the insert). Built here rather
+/// than read back, so that a batch of new ids returns a timestamp per row, not the rows.
+pub(crate) fn new_record(request: &RegisterAgent, at: Timestamp) -> AgentRecord {
+    AgentRecord {
+        agent_id: request.agent_id.clone(),
+        client_type: request.client_type,
+        status: AgentStatus::Available,
+        platform: request.platform,
+        capabilities: request.capabilities.clone(),
+        tools: request.tools.clone(),
+        system_info: request.system_info.clone(),
+        metadata: request.metadata.clone(),
+        extensions: request.extensions.clone(),
+        target_id: request.target_id.clone(),
+        gateway_id: request.gateway_id.clone(),
+        connection_id: request.connection_id.clone(),
+        load: 0,
+        connected_at: at.0,
+        last_seen: at.0,
+    }
+}
+
 /// The wire names of a registration's extensions, for storage.
 pub(crate) fn extension_names(extensions: &[Extension]) -> Vec<&'static str> {
     extensions.iter().map(|e| e.as_str()).collect()
