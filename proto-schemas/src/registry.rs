@@ -161,6 +161,28 @@ pub struct Registered {
 /// The `registry.register` reply.
 pub type RegisterReply = Reply<Registered>;
 
+/// A registration accepted, answered without its stored record: what a gateway acts on (see
+/// [`RegistryWrites::without_records`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Accepted {
+    /// The connection this registration replaced (same principal, stale socket), if any; the
+    /// gateway holding it is told to close it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_connection: Option<String>,
+    /// The gateway that held the replaced connection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_gateway: Option<String>,
+}
+
+impl From<Registered> for Accepted {
+    fn from(registered: Registered) -> Self {
+        Accepted {
+            replaced_connection: registered.replaced_connection,
+            replaced_gateway: registered.replaced_gateway,
+        }
+    }
+}
+
 /// `registry.unregister`: a connection ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct UnregisterAgent {
@@ -193,6 +215,12 @@ pub struct RegistryWrites {
     pub version: V1,
     /// The writes, in the order of the answers.
     pub writes: Vec<RegistryWrite>,
+    /// Answer each accepted registration with `accepted` (whether it replaced a connection)
+    /// rather than `registered` with the whole stored record, which the gateway does not use.
+    /// A registry of an earlier version ignores it and answers `registered`: a sender that
+    /// asks must understand both.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub without_records: bool,
 }
 
 /// Writes per `registry.write` request at most.
@@ -214,6 +242,9 @@ pub enum RegistryWrite {
 pub enum WriteAnswer {
     /// A registration, accepted.
     Registered(Box<Registered>),
+    /// A registration, accepted, answered without its record (the request asked
+    /// `without_records`).
+    Accepted(Accepted),
     /// An unregistration, done.
     Unregistered(Unregistered),
     /// The write was refused or failed.

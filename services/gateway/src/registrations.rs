@@ -9,8 +9,10 @@
 //! to return, so batches grow with the load and a lone write goes alone, on its own subject
 //! (`registry.register` or `registry.unregister`).
 //!
-//! A registry of an earlier version has no responder on `registry.write`; a request it cannot
-//! read is refused whole. Either way the writes are sent again one by one on their own
+//! Registrations are answered without their stored records (`without_records`: the gateway
+//! acts only on a replaced connection); a registry of an earlier version answers with them,
+//! which is understood too. A registry of an earlier version still has no responder on
+//! `registry.write`; a request it cannot read is refused whole. Either way the writes are sent again one by one on their own
 //! subjects, so a gateway of this version works beside a registry of the last (a rolling
 //! update). So are writes too large together for one bus message (registrations with large
 //! tool lists): each then fares as it would alone. When the registry does not answer a batch in time, the writes that gathered
@@ -22,7 +24,7 @@ use aip_bus::BusError;
 use aip_bus::registry::{RegistryClient, RegistryError};
 use proto_schemas::V1;
 use proto_schemas::registry::{
-    MAX_WRITES, RegisterAgent, Registered, RegistryWrite, RegistryWrites, UnregisterAgent,
+    Accepted, MAX_WRITES, RegisterAgent, RegistryWrite, RegistryWrites, UnregisterAgent,
     Unregistered, WriteAnswer,
 };
 use serde::de::Error as _;
@@ -45,7 +47,7 @@ struct Pending {
 
 /// Where the answer to one write goes.
 enum Answer {
-    Register(oneshot::Sender<Result<Registered, RegistryError>>),
+    Register(oneshot::Sender<Result<Accepted, RegistryError>>),
     Unregister(oneshot::Sender<Result<Unregistered, RegistryError>>),
 }
 
@@ -58,8 +60,8 @@ impl Registrations {
         Registrations { queue }
     }
 
-    /// `registry.register`, with whatever else is waiting.
-    pub async fn register(&self, request: RegisterAgent) -> Result<Registered, RegistryError> {
+    /// `registry.register`, with whatever else is waiting: whether it replaced a connection.
+    pub async fn register(&self, request: RegisterAgent) -> Result<Accepted, RegistryError> {
         let (answer, answered) = oneshot::channel();
         let write = RegistryWrite::Register(request);
         self.submit(write, Answer::Register(answer), answered).await
@@ -125,6 +127,7 @@ async fn send(registry: &RegistryClient, mut batch: Vec<Pending>) -> Option<Arc<
     let request = RegistryWrites {
         version: V1,
         writes,
+        without_records: true,
     };
     match registry.write(&request).await {
         Ok(replies) if replies.len() == answers.len() => {
@@ -181,7 +184,8 @@ async fn send_alone(
     counted("single", 1);
     match (write, answer) {
         (RegistryWrite::Register(request), Answer::Register(reply)) => {
-            let (result, unanswered) = split_unanswered(registry.register(&request).await);
+            let registered = registry.register(&request).await.map(Accepted::from);
+            let (result, unanswered) = split_unanswered(registered);
             let _ = reply.send(result);
             unanswered
         }
@@ -204,8 +208,12 @@ impl Answer {
     /// Answers the write with the registry's answer to it.
     fn give(self, reply: WriteAnswer) {
         match (self, reply) {
+            (Answer::Register(answer), WriteAnswer::Accepted(accepted)) => {
+                let _ = answer.send(Ok(accepted));
+            }
+            // A registry of an earlier version answers with the whole record.
             (Answer::Register(answer), WriteAnswer::Registered(registered)) => {
-                let _ = answer.send(Ok(*registered));
+                let _ = answer.send(Ok((*registered).into()));
             }
             (Answer::Unregister(answer), WriteAnswer::Unregistered(unregistered)) => {
                 let _ = answer.send(Ok(unregistered));
@@ -260,7 +268,7 @@ mod tests {
     use bytes::Bytes;
     use chrono::Utc;
     use futures::StreamExt;
-    use proto_schemas::registry::{AgentRecord, AgentStatus, Reply};
+    use proto_schemas::registry::{AgentRecord, AgentStatus, Registered, Reply};
     use proto_schemas::{ErrorBody, ErrorCode, Platform, Subjects};
 
     use super::*;
@@ -279,8 +287,9 @@ mod tests {
         }
     }
 
-    /// What a registry answers: ids starting with `x` are taken; an unregistration takes its
-    /// agent offline when its id ends in an even digit.
+    /// What a registry answers: ids starting with `x` are taken, any other replaces the
+    /// connection `old-{id}`; an unregistration takes its agent offline when its id ends in an
+    /// even digit.
     fn judge(write: &RegistryWrite) -> WriteAnswer {
         match write {
             RegistryWrite::Register(request) if request.agent_id.starts_with('x') => {
@@ -307,8 +316,8 @@ mod tests {
                     connected_at: Utc::now(),
                     last_seen: Utc::now(),
                 },
-                replaced_connection: None,
-                replaced_gateway: None,
+                replaced_connection: Some(format!("old-{}", request.agent_id)),
+                replaced_gateway: Some("gw-0".to_owned()),
             })),
             RegistryWrite::Unregister(request) => WriteAnswer::Unregistered(Unregistered {
                 went_offline: request.agent_id.ends_with(['0', '2', '4', '6', '8']),
@@ -321,11 +330,24 @@ mod tests {
     struct Counts {
         batches: AtomicUsize,
         singles: AtomicUsize,
+        /// Batches asking for answers without records.
+        without_records: AtomicUsize,
+    }
+
+    /// Which registry the fake one is.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Version {
+        /// Only the single subjects.
+        WithoutBatches,
+        /// `registry.write`, answering registrations with their records whatever is asked.
+        WithRecords,
+        /// This version: `registry.write`, honouring `without_records`.
+        Current,
     }
 
     /// A registry answering as [`judge`] says, on the single subjects, and on
-    /// `registry.write` when `batches` (as an earlier version does not).
-    async fn registry(bus: &SharedBus, subjects: &Subjects, batches: bool) -> Arc<Counts> {
+    /// `registry.write` as `version` does.
+    async fn registry(bus: &SharedBus, subjects: &Subjects, version: Version) -> Arc<Counts> {
         let counts = Arc::new(Counts::default());
         let mut listened = vec![
             bus.subscribe(subjects.registry_register())
@@ -335,7 +357,7 @@ mod tests {
                 .await
                 .expect("subscribe"),
         ];
-        if batches {
+        if version != Version::WithoutBatches {
             listened.push(
                 bus.subscribe(subjects.registry_write())
                     .await
@@ -350,7 +372,20 @@ mod tests {
                     counted.batches.fetch_add(1, Ordering::SeqCst);
                     let request: RegistryWrites =
                         serde_json::from_slice(&message.payload).expect("writes");
-                    let answers: Vec<WriteAnswer> = request.writes.iter().map(judge).collect();
+                    if request.without_records {
+                        counted.without_records.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let brief = request.without_records && version == Version::Current;
+                    let answers: Vec<WriteAnswer> = request
+                        .writes
+                        .iter()
+                        .map(|write| match judge(write) {
+                            WriteAnswer::Registered(r) if brief => {
+                                WriteAnswer::Accepted((*r).into())
+                            }
+                            answer => answer,
+                        })
+                        .collect();
                     serde_json::to_vec(&Reply::Ok(answers))
                 } else {
                     counted.singles.fetch_add(1, Ordering::SeqCst);
@@ -365,6 +400,7 @@ mod tests {
                     };
                     match judge(&write) {
                         WriteAnswer::Registered(r) => serde_json::to_vec(&Reply::Ok(*r)),
+                        WriteAnswer::Accepted(a) => serde_json::to_vec(&Reply::Ok(a)),
                         WriteAnswer::Unregistered(u) => serde_json::to_vec(&Reply::Ok(u)),
                         WriteAnswer::Error(e) => serde_json::to_vec(&Reply::<()>::Error(e)),
                     }
@@ -380,11 +416,12 @@ mod tests {
     }
 
     /// Sends 30 registrations and 30 unregistrations at once and checks every answer;
-    /// returns the registry's counts.
-    async fn write_at_once(batches: bool) -> (usize, usize) {
+    /// returns the registry's counts: batches, single requests, batches asking for answers
+    /// without records.
+    async fn write_at_once(version: Version) -> (usize, usize, usize) {
         let bus: SharedBus = Arc::new(LocalBus::new());
         let subjects = Subjects::new("t").expect("prefix");
-        let counts = registry(&bus, &subjects, batches).await;
+        let counts = registry(&bus, &subjects, version).await;
         let client = RegistryClient::new(bus, subjects, Duration::from_secs(5));
         let registrations = Registrations::start(client);
         let ids: Vec<String> = (0..30)
@@ -407,10 +444,11 @@ mod tests {
         let (registered, unregistered) = tokio::join!(registered, unregistered);
         for (id, result) in ids.iter().zip(registered) {
             match result {
-                Ok(registered) => {
+                Ok(accepted) => {
                     assert!(!id.starts_with('x'), "{id} registered");
-                    assert_eq!(registered.agent.agent_id, *id);
-                    assert_eq!(registered.agent.connection_id, format!("conn-{id}"));
+                    let replaced = format!("old-{id}");
+                    assert_eq!(accepted.replaced_connection.as_deref(), Some(&*replaced));
+                    assert_eq!(accepted.replaced_gateway.as_deref(), Some("gw-0"));
                 }
                 Err(RegistryError::Refused(body)) => {
                     assert!(id.starts_with('x'), "{id} refused: {body:?}");
@@ -426,29 +464,37 @@ mod tests {
         (
             counts.batches.load(Ordering::SeqCst),
             counts.singles.load(Ordering::SeqCst),
+            counts.without_records.load(Ordering::SeqCst),
         )
     }
 
     #[tokio::test]
     async fn writes_waiting_together_go_as_one_request_and_each_gets_its_answer() {
         // All 60 are queued before the queue is first read: one bus request.
-        assert_eq!(write_at_once(true).await, (1, 0));
+        assert_eq!(write_at_once(Version::Current).await, (1, 0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_registry_answering_with_whole_records_is_understood() {
+        assert_eq!(write_at_once(Version::WithRecords).await, (1, 0, 1));
     }
 
     #[tokio::test]
     async fn a_registry_without_the_gathered_subject_gets_each_write_alone() {
-        assert_eq!(write_at_once(false).await, (0, 60));
+        // The batch is refused (no responder): each write goes alone.
+        assert_eq!(write_at_once(Version::WithoutBatches).await, (0, 60, 0));
     }
 
     #[tokio::test]
     async fn a_lone_write_goes_on_its_own_subject() {
         let bus: SharedBus = Arc::new(LocalBus::new());
         let subjects = Subjects::new("t").expect("prefix");
-        let counts = registry(&bus, &subjects, true).await;
+        let counts = registry(&bus, &subjects, Version::Current).await;
         let registrations =
             Registrations::start(RegistryClient::new(bus, subjects, Duration::from_secs(5)));
         let registered = registrations.register(registration("d1")).await;
-        assert_eq!(registered.expect("registered").agent.agent_id, "d1");
+        let replaced = registered.expect("registered").replaced_connection;
+        assert_eq!(replaced.as_deref(), Some("old-d1"));
         let unregistered = registrations.unregister(unregistration("d2")).await;
         assert!(unregistered.expect("unregistered").went_offline);
         assert_eq!(counts.batches.load(Ordering::SeqCst), 0);

@@ -154,7 +154,9 @@ impl Registry {
     }
 
     /// `registry.write`: each write as on its own subject, all at once (so they share the
-    /// group commit's batches), answered in their order; more than [`MAX_WRITES`] is refused.
+    /// group commit's batches), answered in their order (an accepted registration as
+    /// `accepted`, without its record, when the request asks so); more than [`MAX_WRITES`] is
+    /// refused.
     pub async fn write(&self, request: RegistryWrites) -> Result<Vec<WriteAnswer>, ErrorBody> {
         if request.writes.len() > MAX_WRITES {
             return Err(ErrorBody::new(
@@ -165,9 +167,11 @@ impl Registry {
                 ),
             ));
         }
+        let without_records = request.without_records;
         let writes = request.writes.into_iter().map(|write| async move {
             match write {
                 RegistryWrite::Register(request) => match self.register(request).await {
+                    Ok(registered) if without_records => WriteAnswer::Accepted(registered.into()),
                     Ok(registered) => WriteAnswer::Registered(Box::new(registered)),
                     Err(refusal) => WriteAnswer::Error(refusal),
                 },

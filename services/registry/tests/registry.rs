@@ -11,8 +11,8 @@ use aip_testkit::{Backend, WAIT, both_backends, wait_until, within};
 use common::{Options, TestApp, constellation, device, publish_presence};
 use futures::StreamExt;
 use proto_schemas::registry::{
-    AgentRecord, AgentStatus, GetAgents, MAX_GET_MANY, MAX_WRITES, Registered, RegistryWrite,
-    RegistryWrites, Reply, UnregisterAgent, WriteAnswer,
+    Accepted, AgentRecord, AgentStatus, GetAgents, MAX_GET_MANY, MAX_WRITES, Registered,
+    RegistryWrite, RegistryWrites, Reply, UnregisterAgent, WriteAnswer,
 };
 use proto_schemas::{ClientType, ErrorCode, Extension, McpToolInfo, V1};
 use serde_json::{Value, json};
@@ -449,6 +449,7 @@ async fn writes_sent_together_are_each_answered_as_alone(backend: Backend) {
             RegistryWrite::Register(nameless),
             unregister("nobody", "c"),
         ],
+        without_records: false,
     };
     let answers: Vec<WriteAnswer> = app
         .call(app.subjects.registry_write(), &writes)
@@ -504,12 +505,47 @@ async fn writes_sent_together_are_each_answered_as_alone(backend: Backend) {
     );
     assert_eq!(app.status("pc-3").await, AgentStatus::Offline);
 
+    // Asked without records, an accepted registration says only which connection it
+    // replaced; refusals are as before, and the writes are stored all the same.
+    let without_records = RegistryWrites {
+        version: V1,
+        writes: vec![
+            RegistryWrite::Register(device("pc-4", "gw-1", "c4", "alice")),
+            RegistryWrite::Register(device("pc-2", "gw-2", "c5", "alice")),
+            RegistryWrite::Register(device("pc-1", "gw-2", "c9", "bob")),
+        ],
+        without_records: true,
+    };
+    let answers: Vec<WriteAnswer> = app
+        .call(app.subjects.registry_write(), &without_records)
+        .await
+        .expect("answered");
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    assert_eq!(answers[0], WriteAnswer::Accepted(Accepted::default()));
+    let took_over = Accepted {
+        replaced_connection: Some("c2".to_owned()),
+        replaced_gateway: Some("gw-1".to_owned()),
+    };
+    assert_eq!(answers[1], WriteAnswer::Accepted(took_over));
+    assert!(
+        matches!(&answers[2], WriteAnswer::Error(e) if e.error_code == ErrorCode::RegistrationFailed),
+        "pc-1 by bob: {:?}",
+        answers[2]
+    );
+    let pc2 = app.get("pc-2").await.expect("pc-2");
+    assert_eq!(
+        (pc2.connection_id.as_str(), pc2.gateway_id.as_str()),
+        ("c5", "gw-2")
+    );
+    assert_eq!(app.status("pc-4").await, AgentStatus::Available);
+
     // More than a request may hold is refused whole, and nothing of it is written.
     let too_many = RegistryWrites {
         version: V1,
         writes: (0..=MAX_WRITES)
             .map(|i| RegistryWrite::Register(device(&format!("many-{i}"), "gw-1", "c", "alice")))
             .collect(),
+        without_records: true,
     };
     let refusal = app
         .call::<_, Vec<WriteAnswer>>(app.subjects.registry_write(), &too_many)
