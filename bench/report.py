@@ -161,7 +161,9 @@ def load_results(root):
         if os.path.exists(os.path.join(mode_dir, "failed-runs.txt")):
             with open(os.path.join(mode_dir, "failed-runs.txt")) as f:
                 failed = [line.strip() for line in f if line.strip()]
-        if runs or run_info:
+        # A directory of another script (a soak, a comparison) holds no scenario run: it is
+        # not a mode of the matrix, and its machine (another day's) must not name this one's.
+        if runs or (run_info and mode in MODE_ORDER):
             modes[mode] = {"runs": runs, "run": run_info, "machine": machine, "failed": failed}
     order = [m for m in MODE_ORDER if m in modes] + sorted(m for m in modes if m not in MODE_ORDER)
     return order, modes
