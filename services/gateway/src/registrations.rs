@@ -11,12 +11,13 @@
 //!
 //! Registrations are answered without their stored records (`without_records`: the gateway
 //! acts only on a replaced connection); a registry of an earlier version answers with them,
-//! which is understood too. A registry of an earlier version still has no responder on
-//! `registry.write`; a request it cannot read is refused whole. Either way the writes are sent again one by one on their own
-//! subjects, so a gateway of this version works beside a registry of the last (a rolling
-//! update). So are writes too large together for one bus message (registrations with large
-//! tool lists): each then fares as it would alone. When the registry does not answer a batch in time, the writes that gathered
-//! meanwhile get the same answer at once rather than waiting as long again.
+//! which is understood too. A registry of a still earlier version has no responder on
+//! `registry.write`; a request it cannot read is refused whole. Either way the writes are
+//! sent again one by one on their own subjects, so a gateway of this version works beside a
+//! registry of the last (a rolling update). So are writes too large together for one bus
+//! message (registrations with large tool lists): each then fares as it would alone. When the
+//! registry does not answer a batch in time, the writes that gathered meanwhile get the same
+//! answer at once rather than waiting as long again.
 
 use std::sync::Arc;
 
