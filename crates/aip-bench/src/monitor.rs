@@ -3,7 +3,9 @@
 //! samples in between (peak RSS, CPU over time).
 //!
 //! CPU is `utime + stime` of /proc/PID/stat in clock ticks of 1/100 s (Linux's USER_HZ on
-//! every architecture it exposes to user space); RSS is `VmRSS` of /proc/PID/status.
+//! every architecture it exposes to user space); RSS is `VmRSS` of /proc/PID/status, and the
+//! part of it in shared memory `RssShmem` (PostgreSQL's shared buffers: each backend counts
+//! the pages it touched, so summing backends' RSS counts the same pages many times).
 
 use std::time::Duration;
 
@@ -46,6 +48,8 @@ struct Reading {
     cpu_secs: f64,
     /// Resident memory, KiB.
     rss_kb: Option<u64>,
+    /// Of which in shared memory, KiB.
+    shmem_kb: Option<u64>,
 }
 
 fn read(process: Proc) -> std::io::Result<Reading> {
@@ -66,12 +70,18 @@ fn read(process: Proc) -> std::io::Result<Reading> {
     };
     let cpu_secs = (tick(11) + tick(12)) as f64 / USER_HZ;
     let status = std::fs::read_to_string(format!("{dir}/status")).unwrap_or_default();
-    let rss_kb = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok());
-    Ok(Reading { cpu_secs, rss_kb })
+    let kb = |field: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+    };
+    Ok(Reading {
+        cpu_secs,
+        rss_kb: kb("VmRSS:"),
+        shmem_kb: kb("RssShmem:"),
+    })
 }
 
 fn name_of(process: Proc) -> Option<String> {
@@ -201,6 +211,8 @@ impl Monitor {
                     rss_before_kb,
                     rss_after_kb,
                     rss_peak_kb,
+                    shmem_before_kb: w.start.and_then(|r| r.shmem_kb),
+                    shmem_after_kb: end.and_then(|r| r.shmem_kb),
                     samples,
                 }
             })
@@ -228,6 +240,7 @@ mod tests {
     fn this_process_can_be_read() {
         let reading = read(Proc::This).expect("/proc/self");
         assert!(reading.rss_kb.is_some_and(|kb| kb > 0));
+        assert!(reading.shmem_kb.is_some(), "RssShmem of /proc/self/status");
         assert!(check_pids(&[std::process::id()]).is_ok());
         assert!(check_pids(&[u32::MAX]).is_err());
     }

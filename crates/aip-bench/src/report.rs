@@ -125,11 +125,31 @@ pub struct ProcessUsage {
     pub rss_after_kb: Option<u64>,
     /// Highest RSS seen, KiB.
     pub rss_peak_kb: Option<u64>,
+    /// Of the RSS at the start, KiB in shared memory (`RssShmem`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shmem_before_kb: Option<u64>,
+    /// Of the RSS at the end, KiB in shared memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shmem_after_kb: Option<u64>,
     /// Samples every half second.
     pub samples: Vec<UsageSample>,
 }
 
 impl ProcessUsage {
+    /// Growth of the RSS outside shared memory over the window, KiB; `None` if either end is
+    /// unknown. Shared memory (PostgreSQL's shared buffers) is left out: every process that
+    /// maps it counts the pages it touched, so a sum over processes would count them again
+    /// for each, and it is a pool sized by configuration, not memory a connection costs.
+    pub fn private_growth_kb(&self) -> Option<i64> {
+        let private = |rss: Option<u64>, shmem: Option<u64>| {
+            rss.map(|rss| rss as i64 - shmem.unwrap_or(0) as i64)
+        };
+        Some(
+            private(self.rss_after_kb, self.shmem_after_kb)?
+                - private(self.rss_before_kb, self.shmem_before_kb)?,
+        )
+    }
+
     /// Nothing known about `pid`.
     pub fn empty(pid: u32) -> Self {
         ProcessUsage {
@@ -141,6 +161,8 @@ impl ProcessUsage {
             rss_before_kb: None,
             rss_after_kb: None,
             rss_peak_kb: None,
+            shmem_before_kb: None,
+            shmem_after_kb: None,
             samples: Vec::new(),
         }
     }
@@ -174,8 +196,8 @@ pub struct ConnectFigures {
     pub heartbeats_sent: u64,
     /// Connections the broker closed while they were held.
     pub drops: u64,
-    /// Broker RSS growth (all `--server-pid`s, end minus start of the window) per connected
-    /// device, bytes.
+    /// Broker RSS growth per connected device, bytes: every `--server-pid`'s RSS outside
+    /// shared memory, end minus start of the window ([`ProcessUsage::private_growth_kb`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rss_per_connection_bytes: Option<f64>,
 }
@@ -263,7 +285,7 @@ impl Report {
             ]);
             summary.row(vec!["drops".into(), c.drops.to_string()]);
             summary.row(vec![
-                "broker RSS per connection".into(),
+                "broker RSS per connection (shared memory aside)".into(),
                 c.rss_per_connection_bytes
                     .map_or_else(|| "- (pass --server-pid)".to_owned(), bytes),
             ]);
@@ -493,6 +515,33 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_growth_leaves_shared_memory_out() {
+        // A PostgreSQL backend that touched 150 MiB more of the shared buffers and grew by
+        // 2 MiB of its own: 2 MiB.
+        let backend = ProcessUsage {
+            rss_before_kb: Some(10_000),
+            rss_after_kb: Some(163_648),
+            shmem_before_kb: Some(5_000),
+            shmem_after_kb: Some(156_600),
+            ..ProcessUsage::empty(1)
+        };
+        assert_eq!(backend.private_growth_kb(), Some(2_048));
+        // A process without shared memory (no `RssShmem` read): its RSS growth.
+        let gateway = ProcessUsage {
+            rss_before_kb: Some(15_000),
+            rss_after_kb: Some(85_000),
+            ..ProcessUsage::empty(2)
+        };
+        assert_eq!(gateway.private_growth_kb(), Some(70_000));
+        // Either end unknown: unknown.
+        let gone = ProcessUsage {
+            rss_before_kb: Some(15_000),
+            ..ProcessUsage::empty(3)
+        };
+        assert_eq!(gone.private_growth_kb(), None);
+    }
 
     #[test]
     fn columns_line_up() {

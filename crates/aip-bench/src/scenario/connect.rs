@@ -2,8 +2,9 @@
 //! --setup-concurrency at once), then are held S seconds, each heartbeating every
 //! --heartbeat-secs and answering pings. Reports the setup rate, connect and register
 //! latencies, the connections the broker closed while they were held, and the broker's RSS
-//! growth per connection and CPU over the window (setup and hold), read at the end of the
-//! hold while every device is still connected.
+//! growth per connection (shared memory aside: PostgreSQL's shared buffers) and CPU over the
+//! window (setup and hold), read at the end of the hold while every device is still
+//! connected.
 //!
 //! Each device keeps its two setup latencies as plain numbers (no histogram per device:
 //! thousands of them would cost the generator more than the broker).
@@ -115,10 +116,7 @@ pub(crate) async fn run(ctx: &Ctx, args: &ConnectArgs) -> anyhow::Result<Measure
             figures
                 .broker
                 .iter()
-                .map(|p| match (p.rss_before_kb, p.rss_after_kb) {
-                    (Some(a), Some(b)) => Some(b as i64 - a as i64),
-                    _ => None,
-                })
+                .map(|p| p.private_growth_kb())
                 .sum::<Option<i64>>()
         })
         .flatten();
