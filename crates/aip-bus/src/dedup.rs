@@ -32,10 +32,10 @@ impl RecentIds {
         }
         self.set.insert(id.to_owned());
         self.order.push_back(id.to_owned());
-        if self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
-            }
+        if self.order.len() > self.capacity
+            && let Some(old) = self.order.pop_front()
+        {
+            self.set.remove(&old);
         }
         true
     }

@@ -357,10 +357,10 @@ impl Bus for LocalBus {
             let Some(stream) = stream else {
                 return Err(BusError::NoStream { subject });
             };
-            if let Some(id) = headers.get(names::MSG_ID) {
-                if !stream.first_time(id) {
-                    return Ok(());
-                }
+            if let Some(id) = headers.get(names::MSG_ID)
+                && !stream.first_time(id)
+            {
+                return Ok(());
             }
             let message = Message {
                 subject,

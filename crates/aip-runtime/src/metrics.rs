@@ -253,33 +253,6 @@ pub const CATALOGUE: &[(&str, Kind, &str)] = &[
     ),
 ];
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_follow_prometheus_conventions() {
-        let mut seen = std::collections::HashSet::new();
-        for (name, kind, help) in CATALOGUE {
-            assert!(seen.insert(*name), "{name} twice");
-            assert!(name.starts_with("aip_"), "{name}");
-            assert!(!help.is_empty(), "{name} needs help text");
-            match kind {
-                Kind::Counter => assert!(name.ends_with("_total"), "{name}"),
-                Kind::Gauge | Kind::Histogram => assert!(!name.ends_with("_total"), "{name}"),
-            }
-            // `aip_listener_`: the listener every service (and `aip dev`) shares.
-            let service = [
-                "aip_gateway_",
-                "aip_registry_",
-                "aip_sessions_",
-                "aip_listener_",
-            ];
-            assert!(service.iter().any(|s| name.starts_with(s)), "{name}");
-        }
-    }
-}
-
 fn describe_all() {
     for (name, kind, help) in CATALOGUE {
         match kind {
@@ -348,5 +321,32 @@ pub async fn render() -> axum::response::Response {
             "metrics are off in this process (see its log)\n",
         )
             .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        let mut seen = std::collections::HashSet::new();
+        for (name, kind, help) in CATALOGUE {
+            assert!(seen.insert(*name), "{name} twice");
+            assert!(name.starts_with("aip_"), "{name}");
+            assert!(!help.is_empty(), "{name} needs help text");
+            match kind {
+                Kind::Counter => assert!(name.ends_with("_total"), "{name}"),
+                Kind::Gauge | Kind::Histogram => assert!(!name.ends_with("_total"), "{name}"),
+            }
+            // `aip_listener_`: the listener every service (and `aip dev`) shares.
+            let service = [
+                "aip_gateway_",
+                "aip_registry_",
+                "aip_sessions_",
+                "aip_listener_",
+            ];
+            assert!(service.iter().any(|s| name.starts_with(s)), "{name}");
+        }
     }
 }

@@ -107,6 +107,11 @@ impl Tombstones {
     pub fn len(&self) -> usize {
         self.order.len()
     }
+
+    /// Whether no id is reserved now.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
 }
 
 #[cfg(test)]
@@ -116,6 +121,7 @@ mod tests {
     #[test]
     fn an_id_is_reserved_for_the_window_and_knows_its_owner() {
         let mut stones = Tombstones::new(1_000, 10);
+        assert!(stones.is_empty());
         stones.add("t1", "alice", 0);
         assert_eq!(stones.owner("t1", "alice"), Some(Owner::Same));
         assert_eq!(stones.owner("t1", "bob"), Some(Owner::Other));

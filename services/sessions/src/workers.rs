@@ -209,6 +209,10 @@ async fn run_consumer(
 type HandoffCandidates = Result<Vec<proto_schemas::registry::AgentRecord>, ErrorBody>;
 
 /// What an event read from the frames stream asks of the applier.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per stream message, moved a few times: a box would cost an allocation per frame"
+)]
 enum Inbound {
     /// A client's frame (alone, or one of a `frames_many`).
     Frame(InboundFrame),

@@ -44,20 +44,24 @@ pub(crate) async fn run(ctx: &Ctx, args: &ConnectArgs) -> anyhow::Result<Measure
     let (stop_tx, stop_rx) = watch::channel(false);
     let heartbeats = Arc::new(AtomicU64::new(0));
     let every = Duration::from_secs(args.heartbeat_secs);
+    let shared = Shared {
+        permits,
+        setup: setup_tx,
+        stop: stop_rx,
+        every,
+        heartbeats: heartbeats.clone(),
+    };
     let mut set = JoinSet::new();
     for i in 0..n {
         set.spawn(device(
             ctx.clone(),
             i,
             source_address(args.source_addresses, i),
-            permits.clone(),
-            setup_tx.clone(),
-            stop_rx.clone(),
-            every,
-            heartbeats.clone(),
+            shared.clone(),
         ));
     }
-    drop(setup_tx);
+    // The setup channel closes once every device has reported.
+    drop(shared);
 
     let mut connect_latency = Latency::new();
     let mut register_latency = Latency::new();
@@ -167,18 +171,36 @@ fn source_address(count: u8, i: usize) -> Option<std::net::IpAddr> {
     })
 }
 
+/// What every device shares with the run.
+#[derive(Clone)]
+struct Shared {
+    /// Setups under way at once at most (`--setup-concurrency`).
+    permits: Arc<Semaphore>,
+    /// Where each device says how its setup went.
+    setup: mpsc::UnboundedSender<Setup>,
+    /// True once the hold is over.
+    stop: watch::Receiver<bool>,
+    /// Between two heartbeats of a device.
+    every: Duration,
+    /// Heartbeats sent by every device.
+    heartbeats: Arc<AtomicU64>,
+}
+
 /// One device: set up, report, hold until stopped. `Some(reason)` if the broker closed it
 /// while held.
 async fn device(
     ctx: Ctx,
     i: usize,
     source: Option<std::net::IpAddr>,
-    permits: Arc<Semaphore>,
-    setup: mpsc::UnboundedSender<Setup>,
-    mut stop: watch::Receiver<bool>,
-    every: Duration,
-    heartbeats: Arc<AtomicU64>,
+    shared: Shared,
 ) -> Option<String> {
+    let Shared {
+        permits,
+        setup,
+        mut stop,
+        every,
+        heartbeats,
+    } = shared;
     let id = format!("{}-idle-{i}", ctx.prefix);
     let permit = match tokio::time::timeout_at(ctx.deadline, permits.acquire_owned()).await {
         Ok(Ok(permit)) => permit,
