@@ -22,6 +22,9 @@ pub struct NatsBus {
     /// Whether blob chunks are read by direct get; cleared for good when one fails for
     /// another reason than a missing message (the user may not send direct gets, say).
     direct_gets: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Room for blob chunks asked for and not yet received, in KiB: see
+    /// [`BLOB_READS_BUDGET_BYTES`].
+    blob_reads: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl NatsBus {
@@ -117,6 +120,7 @@ impl NatsBus {
             client,
             jetstream,
             direct_gets: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            blob_reads: std::sync::Arc::new(tokio::sync::Semaphore::new(BLOB_READS_BUDGET_KIB)),
         })
     }
 
@@ -152,6 +156,17 @@ fn stream_error(
 /// storage), by the server's error code.
 /// Blob chunks published and not yet acknowledged by the stream, at most.
 const BLOB_CHUNKS_IN_FLIGHT: usize = 16;
+
+/// Bytes of blob chunks one connection asks for before they arrive, at most, over every
+/// blob it reads. The server cuts a client off as a slow consumer once more than its
+/// `max_pending` (64 MiB by default) waits to be written to it: eight chunks of 8 MiB (a
+/// server whose `max_payload` is raised to 8 MiB) asked for at once did, and the read then
+/// waited for timeouts and a reconnection. Each read sets aside the server's `max_payload`,
+/// the most a chunk can be: sixteen chunks at once with the default 1 MiB, two with 8 MiB.
+const BLOB_READS_BUDGET_BYTES: usize = 16 << 20;
+
+/// [`BLOB_READS_BUDGET_BYTES`] in the semaphore's units.
+const BLOB_READS_BUDGET_KIB: usize = BLOB_READS_BUDGET_BYTES >> 10;
 
 fn store_refused(error: &jetstream::context::PublishError) -> bool {
     std::error::Error::source(error)
@@ -640,6 +655,14 @@ impl Bus for NatsBus {
                 subject: stream.clone(),
                 source: e,
             };
+            // Held until the chunk has arrived (or the read failed).
+            let most = self.client.server_info().max_payload.div_ceil(1024);
+            let share = u32::try_from(most.clamp(1, BLOB_READS_BUDGET_KIB)).unwrap_or(1);
+            let _room = self
+                .blob_reads
+                .acquire_many(share)
+                .await
+                .map_err(|e| wrap(Box::new(e)))?;
             let handle = self
                 .jetstream
                 .get_stream_no_info(&stream)
