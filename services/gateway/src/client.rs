@@ -88,6 +88,10 @@ pub(crate) struct Client {
     pub(crate) rate: FrameRate,
     /// Frames put into the frames stream so far; numbers their `Nats-Msg-Id`.
     pub(crate) frames_forwarded: u64,
+    /// The size of the frame being handled, as the client sent it: room to set aside for its
+    /// event, whose encoding is about as long (a 90 MiB frame's buffer does not grow by
+    /// doubling, copying and faulting in each larger copy).
+    pub(crate) frame_bytes: usize,
     /// Whether a delivery was queued for the connection (known once its inbox is closed).
     addressed: bool,
     /// Ids of recent deliveries, so a frame re-sent after a sender's crash is written once.
@@ -136,6 +140,7 @@ pub fn serve(
         identity: None,
         rate: FrameRate::new(settings.frames_per_second),
         frames_forwarded: 0,
+        frame_bytes: 0,
         addressed: false,
         recent_deliveries: RecentIds::new(RECENT_DELIVERY_IDS),
         command_traces: Default::default(),
@@ -325,6 +330,7 @@ impl Client {
             Ok(Some(Inbound::Frame { frame, bytes })) => {
                 let _in_flight = self.admit_inbound(bytes).await?;
                 let started = std::time::Instant::now();
+                self.frame_bytes = bytes;
                 let handled = handlers::dispatch(self, frame).await;
                 if bytes >= LARGE_FRAME_BYTES {
                     tracing::debug!(

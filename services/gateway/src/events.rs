@@ -51,16 +51,18 @@ pub(crate) enum PublishError {
 /// A frame that needs the blob store is stored on its own, at once, and so is every frame
 /// while the session service has not said that it reads gathered frames. Any other goes
 /// through [`Frames`]: alone when nothing is on its way, otherwise with the frames that came
-/// meanwhile.
+/// meanwhile. `frame_bytes` (the frame's size as received) sizes the event's buffer.
 pub(crate) async fn publish_frame(
     state: &AppState,
     inbound: &InboundFrame,
     msg_id: String,
+    frame_bytes: usize,
 ) -> Result<(), PublishError> {
     let client_id = &inbound.client_id;
     // Encoded after the event's tag, so that a frame going alone becomes its event in place:
     // a 90 MiB frame is not copied into a second buffer.
-    let mut event = LONE_FRAME_TAG.to_vec();
+    let mut event = Vec::with_capacity(LONE_FRAME_TAG.len() + EVENT_FIELDS_BYTES + frame_bytes);
+    event.extend_from_slice(LONE_FRAME_TAG);
     serde_json::to_writer(&mut event, inbound).map_err(|e| {
         tracing::error!(client = %client_id, "gateway event not serialisable: {e}");
         PublishError::Encode(Arc::new(e))
@@ -106,6 +108,9 @@ fn frame_event_in_place(event: &mut Vec<u8>) {
         *brace = b',';
     }
 }
+
+/// Room for what an event adds to its frame (ids, the time, extensions), set aside with it.
+const EVENT_FIELDS_BYTES: usize = 512;
 
 /// What [`lone_frame`] puts before a frame's fields.
 const LONE_FRAME_TAG: &[u8] = br#"{"event":"frame""#;

@@ -69,7 +69,7 @@ pub(crate) async fn handle(
         frame,
         delivery_batches: true,
     };
-    let published = events::publish_frame(&client.state, &inbound, msg_id);
+    let published = events::publish_frame(&client.state, &inbound, msg_id, client.frame_bytes);
     let Err(e) = published.instrument(span).await else {
         return Ok(());
     };
