@@ -6,93 +6,17 @@
 //! consumer (asking for 8 chunks of 8 MiB per read did: the reads then waited for timeouts
 //! and a reconnection, about 30 s for one 90 MiB result).
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use aip_bus::{BlobStore, Bus, Headers, Message, NatsBus};
+use aip_testkit::OwnNatsServer;
 use bytes::Bytes;
 use proto_schemas::Subjects;
 
-/// A nats-server of its own with 8 MiB messages; killed and its directory removed when
-/// dropped.
-struct Server {
-    child: Child,
-    url: String,
-    dir: PathBuf,
-    log: PathBuf,
-}
-
-impl Server {
-    fn start() -> Server {
-        let dir = std::env::temp_dir().join(format!(
-            "aip-nats-large-chunks-{}",
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        std::fs::write(
-            dir.join("server.conf"),
-            format!(
-                "host: 127.0.0.1\nport: {port}\nmax_payload: 8MB\njetstream {{\n  store_dir: \"{}\"\n}}\n",
-                dir.join("js").display()
-            ),
-        )
-        .expect("server.conf");
-        let log = dir.join("nats-server.log");
-        let child = Command::new("nats-server")
-            .arg("-c")
-            .arg(dir.join("server.conf"))
-            .arg("-l")
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("nats-server on PATH");
-        let server = Server {
-            child,
-            url: format!("nats://127.0.0.1:{port}"),
-            dir,
-            log,
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "nats-server did not listen; log:\n{}",
-                server.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_else(|e| {
-            format!(
-                "(the server log {} cannot be read: {e})",
-                self.log.display()
-            )
-        })
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 #[tokio::test]
 async fn a_large_blob_in_8_mib_chunks_is_read_by_several_readers_without_a_slow_consumer() {
-    let server = Server::start();
+    let server = OwnNatsServer::start("large-chunks", "max_payload: 8MB", |_| {}, &[]);
     let bus: Arc<dyn Bus> = Arc::new(
         NatsBus::connect(&server.url, "aip-bus-large-chunks")
             .await

@@ -13,6 +13,7 @@
 
 mod client;
 pub mod frames;
+mod nats_server;
 pub mod openapi;
 mod service;
 mod wait;
@@ -26,6 +27,7 @@ use anyhow::{Context, anyhow};
 use serde_json::Value;
 
 pub use client::{Client, Closed, ConnectError, FrameCheck, Refusal};
+pub use nats_server::OwnNatsServer;
 pub use service::{STOP_WAIT, Service, Shutdown};
 pub use wait::{WAIT, eventually, eventually_within, wait_until, within};
 

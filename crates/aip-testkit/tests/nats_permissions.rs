@@ -9,7 +9,6 @@
 //! can. The server's log shows no violation by any service.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +16,9 @@ use aip_bus::{NatsBus, NatsSettings, SharedBus};
 use aip_testkit::frames::{
     command_results_for, constellation_register, constellation_task, device_register, one_step,
 };
-use aip_testkit::{Backend, Client, Service, eventually, get_json, test_database, within};
+use aip_testkit::{
+    Backend, Client, OwnNatsServer, Service, eventually, get_json, test_database, within,
+};
 use futures::StreamExt;
 use serde_json::json;
 
@@ -31,13 +32,10 @@ const USERS: [(&str, &str); 6] = [
     ("aip-operator", "AIP_NATS_OPERATOR_PASSWORD"),
 ];
 
-/// A nats-server of its own, with the deployment's users and permissions; killed and its
-/// directory removed when dropped.
+/// A nats-server of its own, with the deployment's users and permissions.
 struct LockedServer {
-    child: Child,
+    server: OwnNatsServer,
     url: String,
-    dir: PathBuf,
-    log: PathBuf,
     /// One random password per user.
     passwords: Vec<(&'static str, String)>,
 }
@@ -45,62 +43,31 @@ struct LockedServer {
 impl LockedServer {
     fn start() -> LockedServer {
         let deploy = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/nats");
-        let dir = std::env::temp_dir().join(format!(
-            "aip-nats-permissions-{}",
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        for file in ["users.conf", "permissions.conf"] {
-            std::fs::copy(deploy.join(file), dir.join(file)).expect("deploy/nats file");
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        // Only the listener and the store differ from deploy/nats/nats-server.conf.
-        std::fs::write(
-            dir.join("server.conf"),
-            format!(
-                "host: 127.0.0.1\nport: {port}\njetstream {{\n  store_dir: \"{}\"\n  max_file_store: 8GB\n}}\ninclude \"users.conf\"\n",
-                dir.join("js").display()
-            ),
-        )
-        .expect("server.conf");
         let passwords: Vec<(&'static str, String)> = USERS
             .iter()
             .map(|(user, _)| (*user, format!("pw{}", uuid::Uuid::new_v4().simple())))
             .collect();
-        let log = dir.join("nats-server.log");
-        let mut command = Command::new("nats-server");
-        command
-            .arg("-c")
-            .arg(dir.join("server.conf"))
-            .arg("-l")
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        for ((_, variable), (_, password)) in USERS.iter().zip(&passwords) {
-            command.env(variable, password);
-        }
-        let child = command.spawn().expect("nats-server on PATH");
-        let server = LockedServer {
-            child,
-            url: format!("nats://127.0.0.1:{port}"),
-            dir,
-            log,
+        let env: Vec<(&str, &str)> = USERS
+            .iter()
+            .zip(&passwords)
+            .map(|((_, variable), (_, password))| (*variable, password.as_str()))
+            .collect();
+        // Only the listener and the store differ from deploy/nats/nats-server.conf.
+        let server = OwnNatsServer::start(
+            "permissions",
+            "include \"users.conf\"",
+            |dir| {
+                for file in ["users.conf", "permissions.conf"] {
+                    std::fs::copy(deploy.join(file), dir.join(file)).expect("deploy/nats file");
+                }
+            },
+            &env,
+        );
+        LockedServer {
+            url: server.url.clone(),
+            server,
             passwords,
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "nats-server did not listen; log:\n{}",
-                server.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
         }
-        server
     }
 
     /// The settings that log in as `user`.
@@ -157,23 +124,8 @@ impl LockedServer {
         (client, rx)
     }
 
-    /// The server's log; if it cannot be read, a text that says so (an assertion on it then
-    /// fails naming the cause instead of reading an empty log as a clean one).
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_else(|e| {
-            format!(
-                "(the server log {} cannot be read: {e})",
-                self.log.display()
-            )
-        })
-    }
-}
-
-impl Drop for LockedServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.server.log_text()
     }
 }
 

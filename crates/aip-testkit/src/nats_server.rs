@@ -1,0 +1,94 @@
+//! A nats-server of a test's own, for what the machine's cannot show: a configuration the test
+//! chooses (the deployment's users and permissions, a raised message limit) and a log it reads.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A `nats-server` from `PATH` on a free loopback port, with JetStream in a directory of its
+/// own; killed and its directory removed when dropped.
+pub struct OwnNatsServer {
+    child: Child,
+    /// `nats://127.0.0.1:<port>`.
+    pub url: String,
+    dir: PathBuf,
+    log: PathBuf,
+}
+
+impl OwnNatsServer {
+    /// Starts a server configured with its listener, its JetStream store (room for the
+    /// deployment's stream caps: 8 GB) and then `config`, more lines of nats-server's
+    /// configuration (`max_payload: 8MB`, an `include`). `prepare` is given the server's
+    /// directory first, for the files `config` includes; `env` is set for the server (the
+    /// variables its configuration reads). Returns once the server listens.
+    pub fn start(
+        name: &str,
+        config: &str,
+        prepare: impl FnOnce(&Path),
+        env: &[(&str, &str)],
+    ) -> OwnNatsServer {
+        let dir =
+            std::env::temp_dir().join(format!("aip-nats-{name}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("the server's directory");
+        prepare(&dir);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        std::fs::write(
+            dir.join("server.conf"),
+            format!(
+                "host: 127.0.0.1\nport: {port}\njetstream {{\n  store_dir: \"{}\"\n  max_file_store: 8GB\n}}\n{config}\n",
+                dir.join("js").display()
+            ),
+        )
+        .expect("server.conf");
+        let log = dir.join("nats-server.log");
+        let child = Command::new("nats-server")
+            .arg("-c")
+            .arg(dir.join("server.conf"))
+            .arg("-l")
+            .arg(&log)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("nats-server on PATH");
+        let server = OwnNatsServer {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            dir,
+            log,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not listen; log:\n{}",
+                server.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    /// The server's log; if it cannot be read, a text that says so (an assertion on it then
+    /// fails naming the cause instead of reading an empty log as a clean one).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_else(|e| {
+            format!(
+                "(the server log {} cannot be read: {e})",
+                self.log.display()
+            )
+        })
+    }
+}
+
+impl Drop for OwnNatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
