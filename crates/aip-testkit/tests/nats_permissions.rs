@@ -34,8 +34,7 @@ const USERS: [(&str, &str); 6] = [
 
 /// A nats-server of its own, with the deployment's users and permissions.
 struct LockedServer {
-    server: OwnNatsServer,
-    url: String,
+    nats: OwnNatsServer,
     /// One random password per user.
     passwords: Vec<(&'static str, String)>,
 }
@@ -64,8 +63,7 @@ impl LockedServer {
             &env,
         );
         LockedServer {
-            url: server.url.clone(),
-            server,
+            nats: server,
             passwords,
         }
     }
@@ -88,7 +86,7 @@ impl LockedServer {
     /// A service's bus: its own user.
     async fn bus(&self, user: &str) -> SharedBus {
         Arc::new(
-            NatsBus::connect_with(&self.url, user, &self.access(user))
+            NatsBus::connect_with(&self.nats.url, user, &self.access(user))
                 .await
                 .unwrap_or_else(|e| panic!("{user} logs in: {e}")),
         )
@@ -118,14 +116,14 @@ impl LockedServer {
                 }
             }
         })
-        .connect(&self.url)
+        .connect(&self.nats.url)
         .await
         .unwrap_or_else(|e| panic!("{user} logs in: {e}"));
         (client, rx)
     }
 
     fn log_text(&self) -> String {
-        self.server.log_text()
+        self.nats.log_text()
     }
 }
 
@@ -148,7 +146,7 @@ async fn each_service_runs_with_only_its_own_permissions() {
 
     // The registry, as user aip-registry.
     let mut registry = aip_registry::Settings {
-        nats_url: server.url.clone(),
+        nats_url: server.nats.url.clone(),
         nats: server.access("aip-registry"),
         ..Default::default()
     };
@@ -165,7 +163,7 @@ async fn each_service_runs_with_only_its_own_permissions() {
 
     // The session service, as user aip-sessions: it creates both streams and its consumer.
     let mut sessions = aip_sessions::Settings {
-        nats_url: server.url.clone(),
+        nats_url: server.nats.url.clone(),
         nats: server.access("aip-sessions"),
         ..Default::default()
     };
@@ -189,7 +187,7 @@ async fn each_service_runs_with_only_its_own_permissions() {
 
     // A gateway, as user aip-gateway.
     let mut gateway = aip_gateway::Settings {
-        nats_url: server.url.clone(),
+        nats_url: server.nats.url.clone(),
         nats: server.access("aip-gateway"),
         ..Default::default()
     };
