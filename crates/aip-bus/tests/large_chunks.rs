@@ -16,7 +16,7 @@ use proto_schemas::Subjects;
 
 #[tokio::test]
 async fn a_large_blob_in_8_mib_chunks_is_read_by_several_readers_without_a_slow_consumer() {
-    let server = OwnNatsServer::start("large-chunks", "max_payload: 8MB", |_| {}, &[]);
+    let server = OwnNatsServer::start("large-chunks", "max_payload: 8MB", |_| {}, &[]).await;
     let bus: Arc<dyn Bus> = Arc::new(
         NatsBus::connect(&server.url, "aip-bus-large-chunks")
             .await

@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
 /// A `nats-server` from `PATH` on a free loopback port, with JetStream in a directory of its
 /// own; killed and its directory removed when dropped.
@@ -20,8 +19,8 @@ impl OwnNatsServer {
     /// deployment's stream caps: 8 GB) and then `config`, more lines of nats-server's
     /// configuration (`max_payload: 8MB`, an `include`). `prepare` is given the server's
     /// directory first, for the files `config` includes; `env` is set for the server (the
-    /// variables its configuration reads). Returns once the server listens.
-    pub fn start(
+    /// variables its configuration reads). Returns once the server listens ([`crate::WAIT`] at most).
+    pub async fn start(
         name: &str,
         config: &str,
         prepare: impl FnOnce(&Path),
@@ -61,14 +60,15 @@ impl OwnNatsServer {
             dir,
             log,
         };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "nats-server did not listen; log:\n{}",
-                server.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
+        let listening = crate::eventually("nats-server to listen", || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .ok()
+                .map(drop)
+        })
+        .await;
+        if let Err(e) = listening {
+            panic!("{e}; log:\n{}", server.log_text());
         }
         server
     }

@@ -40,7 +40,7 @@ struct LockedServer {
 }
 
 impl LockedServer {
-    fn start() -> LockedServer {
+    async fn start() -> LockedServer {
         let deploy = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/nats");
         let passwords: Vec<(&'static str, String)> = USERS
             .iter()
@@ -61,7 +61,8 @@ impl LockedServer {
                 }
             },
             &env,
-        );
+        )
+        .await;
         LockedServer {
             nats: server,
             passwords,
@@ -139,7 +140,7 @@ async fn ready(what: &str, addr: std::net::SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_service_runs_with_only_its_own_permissions() {
-    let server = LockedServer::start();
+    let server = LockedServer::start().await;
     let database = test_database(Backend::NatsPostgres)
         .await
         .expect("PostgreSQL at DATABASE_URL");
