@@ -19,9 +19,8 @@ use crate::{Bus, BusError, Headers, Message, Subscription};
 pub struct NatsBus {
     client: async_nats::Client,
     jetstream: jetstream::Context,
-    /// Whether blob chunks are read by direct get; cleared for good when one fails for
-    /// another reason than a missing message (the user may not send direct gets, say).
-    direct_gets: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Whether blob chunks are read by direct get ([`DirectGets`]).
+    direct_gets: std::sync::Arc<DirectGets>,
     /// Room for blob chunks asked for and not yet received, in KiB: see
     /// [`BLOB_READS_BUDGET_BYTES`].
     blob_reads: std::sync::Arc<tokio::sync::Semaphore>,
@@ -69,8 +68,11 @@ impl NatsBus {
         // Server errors (a permissions violation above all) reach the client only as an
         // event: log them, or a refused publish would go unnoticed.
         let connection = name.to_owned();
+        let direct_gets = std::sync::Arc::new(DirectGets::new());
+        let reconnected = direct_gets.clone();
         options = options.event_callback(move |event| {
             let connection = connection.clone();
+            let direct_gets = reconnected.clone();
             async move {
                 match event {
                     async_nats::Event::ServerError(e) => {
@@ -86,6 +88,7 @@ impl NatsBus {
                         tracing::warn!(%connection, "disconnected from NATS; reconnecting")
                     }
                     async_nats::Event::Connected => {
+                        direct_gets.reconnected();
                         tracing::debug!(%connection, "connected to NATS")
                     }
                     other => tracing::info!(%connection, "NATS: {other}"),
@@ -119,7 +122,7 @@ impl NatsBus {
         Ok(NatsBus {
             client,
             jetstream,
-            direct_gets: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            direct_gets,
             blob_reads: std::sync::Arc::new(tokio::sync::Semaphore::new(BLOB_READS_BUDGET_KIB)),
         })
     }
@@ -149,6 +152,65 @@ fn stream_error(
         operation,
         subject: stream.to_owned(),
         source,
+    }
+}
+
+/// After a direct get failed, how long blob chunks are read through the stream API before
+/// direct gets are tried again (at once if the connection is made again meanwhile).
+const DIRECT_GETS_RETRY: Duration = Duration::from_secs(60);
+
+/// Whether blob chunks are read by direct get. A failure other than a missing message turns
+/// them off: the user may not be allowed to send them (every read would then wait for a
+/// timeout), or the server is restarting or not ready yet after a restart. They are tried
+/// again once [`DIRECT_GETS_RETRY`] has passed, and at once when the connection is made
+/// again, so that a NATS restart does not leave the slower stream API (its answer is the
+/// chunk in base64, encoded by the server) in place for the life of the process.
+#[derive(Debug)]
+struct DirectGets {
+    since: std::time::Instant,
+    /// Milliseconds after `since` before which direct gets are not tried; 0 while they work.
+    off_until_ms: std::sync::atomic::AtomicU64,
+}
+
+impl DirectGets {
+    fn new() -> Self {
+        DirectGets {
+            since: std::time::Instant::now(),
+            off_until_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether to try a direct get now.
+    fn allowed(&self) -> bool {
+        let until = self.off_until_ms.load(std::sync::atomic::Ordering::Relaxed);
+        until == 0 || self.now_ms() >= until
+    }
+
+    /// A direct get failed: off for [`DIRECT_GETS_RETRY`]. Whether they were on until now.
+    fn failed(&self) -> bool {
+        let until = self
+            .now_ms()
+            .saturating_add(DIRECT_GETS_RETRY.as_millis() as u64);
+        self.off_until_ms
+            .swap(until.max(1), std::sync::atomic::Ordering::Relaxed)
+            == 0
+    }
+
+    /// A direct get worked: on. Whether they were off until now.
+    fn worked(&self) -> bool {
+        self.off_until_ms
+            .swap(0, std::sync::atomic::Ordering::Relaxed)
+            != 0
+    }
+
+    /// The connection was made (again): on.
+    fn reconnected(&self) {
+        self.off_until_ms
+            .store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -672,23 +734,27 @@ impl Bus for NatsBus {
             // answer is JSON with the bytes in base64 (a third larger, encoded by the server
             // and decoded here). A stream made before direct gets were allowed, or a replica
             // that has not caught up, is asked through the stream API instead.
-            let direct = if self.direct_gets.load(std::sync::atomic::Ordering::Relaxed) {
+            let direct = if self.direct_gets.allowed() {
                 match handle.direct_get(sequence).await {
-                    Ok(message) => Some(message),
+                    Ok(message) => {
+                        if self.direct_gets.worked() {
+                            tracing::info!(%stream, "direct gets of blob chunks work again");
+                        }
+                        Some(message)
+                    }
                     Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
                         tracing::debug!(%stream, sequence, "direct get found nothing, asking the stream leader");
                         None
                     }
                     Err(e) => {
-                        if self
-                            .direct_gets
-                            .swap(false, std::sync::atomic::Ordering::Relaxed)
-                        {
+                        if self.direct_gets.failed() {
                             tracing::warn!(
                                 %stream,
                                 "direct gets of blob chunks fail ({e}): reading them through the \
-                                 stream API from now on (allow $JS.API.DIRECT.GET.{stream} to \
-                                 this NATS user)"
+                                 stream API until the connection is made again or for {} s \
+                                 (if this NATS user may not send them, allow it \
+                                 $JS.API.DIRECT.GET.{stream})",
+                                DIRECT_GETS_RETRY.as_secs()
                             );
                         }
                         None

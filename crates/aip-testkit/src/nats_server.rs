@@ -7,11 +7,14 @@ use std::process::{Child, Command, Stdio};
 /// A `nats-server` from `PATH` on a free loopback port, with JetStream in a directory of its
 /// own; killed and its directory removed when dropped.
 pub struct OwnNatsServer {
-    child: Child,
+    /// The running server; `None` while killed ([`Self::kill`]).
+    child: Option<Child>,
     /// `nats://127.0.0.1:<port>`.
     pub url: String,
+    port: u16,
     dir: PathBuf,
     log: PathBuf,
+    env: Vec<(String, String)>,
 }
 
 impl OwnNatsServer {
@@ -42,24 +45,39 @@ impl OwnNatsServer {
             ),
         )
         .expect("server.conf");
-        let log = dir.join("nats-server.log");
+        let mut server = OwnNatsServer {
+            child: None,
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            log: dir.join("nats-server.log"),
+            dir,
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        };
+        server.start_again().await;
+        server
+    }
+
+    /// Starts the server, or starts it again after [`Self::kill`]: the same port,
+    /// configuration and JetStream store (its streams come back). Returns once it listens
+    /// ([`crate::WAIT`] at most).
+    pub async fn start_again(&mut self) {
+        assert!(self.child.is_none(), "the server is running already");
         let child = Command::new("nats-server")
             .arg("-c")
-            .arg(dir.join("server.conf"))
+            .arg(self.dir.join("server.conf"))
             .arg("-l")
-            .arg(&log)
-            .envs(env.iter().copied())
+            .arg(&self.log)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("nats-server on PATH");
-        let server = OwnNatsServer {
-            child,
-            url: format!("nats://127.0.0.1:{port}"),
-            dir,
-            log,
-        };
+        self.child = Some(child);
+        let port = self.port;
         let listening = crate::eventually("nats-server to listen", || async move {
             tokio::net::TcpStream::connect(("127.0.0.1", port))
                 .await
@@ -68,9 +86,16 @@ impl OwnNatsServer {
         })
         .await;
         if let Err(e) = listening {
-            panic!("{e}; log:\n{}", server.log_text());
+            panic!("{e}; log:\n{}", self.log_text());
         }
-        server
+    }
+
+    /// Kills the server, as a crash would; [`Self::start_again`] brings it back.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     /// The server's log; if it cannot be read, a text that says so (an assertion on it then
@@ -87,8 +112,7 @@ impl OwnNatsServer {
 
 impl Drop for OwnNatsServer {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

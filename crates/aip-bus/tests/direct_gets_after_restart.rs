@@ -1,0 +1,112 @@
+//! Blob chunks are read by direct get, which answers with the chunk's bytes; when a direct get
+//! fails, the bus reads through the stream API, whose answer is the chunk in base64. A NATS
+//! restart makes direct gets fail for a while (the server is gone, then its JetStream is not
+//! ready). They used to stay off for the life of the process; now they are tried again once
+//! the connection is made again.
+//!
+//! Shown with a NATS user that may send direct gets but not the stream API's message gets: a
+//! read fails while the server is down, and after the server is back, reads work again only
+//! if direct gets are used again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aip_bus::{BlobStore, Bus, Headers, Message, NatsBus, NatsSettings};
+use aip_testkit::OwnNatsServer;
+use bytes::Bytes;
+use proto_schemas::Subjects;
+
+/// Everything but the stream API's message gets.
+const DIRECT_ONLY: &str = r#"
+authorization {
+  users = [
+    {
+      user: "reader"
+      password: "reader-secret"
+      permissions: {
+        publish: { allow: [">"], deny: ["$JS.API.STREAM.MSG.GET.>"] }
+        subscribe: { allow: [">"] }
+      }
+    }
+  ]
+}
+"#;
+
+#[tokio::test]
+async fn direct_gets_are_used_again_after_a_nats_restart() {
+    let mut server = OwnNatsServer::start("direct-gets", DIRECT_ONLY, |_| {}, &[]).await;
+    let access = NatsSettings {
+        nats_user: Some("reader".into()),
+        nats_password: Some("reader-secret".into()),
+        ..NatsSettings::default()
+    };
+    let nats = NatsBus::connect_with(&server.url, "aip-bus-direct-gets", &access)
+        .await
+        .expect("connect");
+    let bus: Arc<dyn Bus> = Arc::new(nats.clone());
+    let subjects = Subjects::new(&format!("t{}", uuid::Uuid::new_v4().simple())).expect("prefix");
+    let blobs = BlobStore::for_subjects(&subjects);
+    bus.ensure_stream(blobs.stream_spec(-1))
+        .await
+        .expect("blob stream");
+
+    // Three chunks of the server's default 1 MiB, a pattern so that misplaced bytes show.
+    let body: Bytes = (0..(5u32 << 19))
+        .map(|i| (i % 253) as u8)
+        .collect::<Vec<u8>>()
+        .into();
+    let reference = blobs
+        .put(bus.as_ref(), body.clone())
+        .await
+        .expect("stored")
+        .expect("a body this large travels as a blob");
+    let message = Message {
+        subject: subjects.frames_all(),
+        reply: None,
+        headers: Headers::new().with(aip_bus::BLOB_HEADER, reference),
+        payload: Bytes::new(),
+    };
+    let read = || blobs.payload_of(bus.as_ref(), &message);
+
+    let before = read().await.expect("read back by direct get");
+    assert!(before == body, "the body comes back whole");
+
+    // Down: the read fails (its direct gets and then the stream API's gets time out).
+    server.kill();
+    let during = tokio::time::timeout(Duration::from_secs(60), read())
+        .await
+        .expect("a read while the server is down ends");
+    assert!(
+        during.is_err(),
+        "a read while the server is down cannot succeed"
+    );
+
+    // Back, with its stream: reads work again, which only direct gets can do for this user.
+    server.start_again().await;
+    aip_testkit::wait_until("the client to connect again", || async {
+        nats.client().connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    // A read may meet the server's JetStream not ready yet; the stream API never works for
+    // this user.
+    let after = aip_testkit::eventually_within(
+        Duration::from_secs(90),
+        "a blob read after the restart",
+        || async {
+            match tokio::time::timeout(Duration::from_secs(20), read()).await {
+                Ok(Ok(read)) => Some(read),
+                Ok(Err(e)) => {
+                    eprintln!("read after the restart: {e}");
+                    None
+                }
+                Err(_) => None,
+            }
+        },
+    )
+    .await;
+    let after = match after {
+        Ok(after) => after,
+        Err(e) => panic!("{e}; server log:\n{}", server.log_text()),
+    };
+    assert!(after == body, "the body comes back whole after the restart");
+}
