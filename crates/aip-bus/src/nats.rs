@@ -214,8 +214,6 @@ impl DirectGets {
     }
 }
 
-/// Whether the stream refused to store a message (full: `maximum bytes exceeded`, or out of
-/// storage), by the server's error code.
 /// Blob chunks published and not yet acknowledged by the stream, at most.
 const BLOB_CHUNKS_IN_FLIGHT: usize = 16;
 
@@ -230,6 +228,8 @@ const BLOB_READS_BUDGET_BYTES: usize = 16 << 20;
 /// [`BLOB_READS_BUDGET_BYTES`] in the semaphore's units.
 const BLOB_READS_BUDGET_KIB: usize = BLOB_READS_BUDGET_BYTES >> 10;
 
+/// Whether the stream refused to store a message (full: `maximum bytes exceeded`, or out of
+/// storage), by the server's error code.
 fn store_refused(error: &jetstream::context::PublishError) -> bool {
     std::error::Error::source(error)
         .and_then(|source| source.downcast_ref::<jetstream::Error>())

@@ -1144,7 +1144,9 @@ async fn a_missing_part_of_kept_apart_results_is_reported(backend: Backend) {
     answer(&store, &mut machine, &mut writer, "lost", "m1", png).await;
     assert_eq!(parts_kept_apart(&database, "lost").await, 2);
     database
-        .query(&aip_store::Sql::same("DELETE FROM task_results WHERE part = 1"))
+        .query(&aip_store::Sql::same(
+            "DELETE FROM task_results WHERE part = 1",
+        ))
         .execute()
         .await
         .expect("parts deleted");
