@@ -11,9 +11,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use aip_bus::{BlobStore, Bus, Headers, Message, NatsBus, NatsSettings};
+use aip_bus::{BlobStore, Bus, NatsBus, NatsSettings};
 use aip_testkit::OwnNatsServer;
-use bytes::Bytes;
 use proto_schemas::Subjects;
 
 /// Everything but the stream API's message gets.
@@ -50,22 +49,10 @@ async fn direct_gets_are_used_again_after_a_nats_restart() {
         .await
         .expect("blob stream");
 
-    // Three chunks of the server's default 1 MiB, a pattern so that misplaced bytes show.
-    let body: Bytes = (0..(5u32 << 19))
-        .map(|i| (i % 253) as u8)
-        .collect::<Vec<u8>>()
-        .into();
-    let reference = blobs
-        .put(bus.as_ref(), body.clone())
-        .await
-        .expect("stored")
-        .expect("a body this large travels as a blob");
-    let message = Message {
-        subject: subjects.frames_all(),
-        reply: None,
-        headers: Headers::new().with(aip_bus::BLOB_HEADER, reference),
-        payload: Bytes::new(),
-    };
+    // Three chunks of the server's default 1 MiB.
+    let body = aip_testkit::blobs::patterned(5 << 19, 253);
+    let message =
+        aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.frames_all(), body.clone()).await;
     let read = || blobs.payload_of(bus.as_ref(), &message);
 
     let before = read().await.expect("read back by direct get");

@@ -9,9 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use aip_bus::{BlobStore, Bus, Headers, Message, NatsBus};
+use aip_bus::{BlobStore, Bus, NatsBus};
 use aip_testkit::OwnNatsServer;
-use bytes::Bytes;
 use proto_schemas::Subjects;
 
 #[tokio::test]
@@ -30,21 +29,9 @@ async fn a_large_blob_in_8_mib_chunks_is_read_by_several_readers_without_a_slow_
         .expect("blob stream");
 
     // 90 MiB that is not one byte repeated, so a chunk out of place would show.
-    let body: Bytes = (0..90u32 << 20)
-        .map(|i| (i % 251) as u8)
-        .collect::<Vec<u8>>()
-        .into();
-    let reference = blobs
-        .put(bus.as_ref(), body.clone())
-        .await
-        .expect("stored")
-        .expect("a body this large travels as a blob");
-    let message = Message {
-        subject: subjects.frames_all(),
-        reply: None,
-        headers: Headers::new().with(aip_bus::BLOB_HEADER, reference),
-        payload: Bytes::new(),
-    };
+    let body = aip_testkit::blobs::patterned(90 << 20, 251);
+    let message =
+        aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.frames_all(), body.clone()).await;
 
     let readers = (0..3).map(|_| {
         let bus = bus.clone();

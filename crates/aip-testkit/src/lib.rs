@@ -11,6 +11,7 @@
 //! the test when the stack stops (or is dropped). Every wait has a deadline ([`within`],
 //! [`eventually`], [`wait_until`]).
 
+pub mod blobs;
 mod client;
 pub mod frames;
 mod nats_server;

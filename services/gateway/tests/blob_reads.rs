@@ -4,9 +4,8 @@
 
 use std::sync::Arc;
 
-use aip_bus::{BLOB_HEADER, BlobStore, Headers, Message, NatsBus, SharedBus};
+use aip_bus::{BlobStore, NatsBus, SharedBus};
 use aip_gateway::blob_reads::BlobReads;
-use bytes::Bytes;
 use proto_schemas::Subjects;
 
 #[tokio::test]
@@ -21,22 +20,9 @@ async fn deliveries_asking_together_share_one_read_and_it_is_forgotten_after() {
         .await
         .expect("blob stream");
     // Several chunks of a NATS message each.
-    let body = Bytes::from(
-        (0..3 << 20)
-            .map(|i| b'a' + (i % 26) as u8)
-            .collect::<Vec<u8>>(),
-    );
-    let reference = blobs
-        .put(bus.as_ref(), body.clone())
-        .await
-        .expect("stored")
-        .expect("too large for one message");
-    let message = Message {
-        subject: subjects.blobs(),
-        reply: None,
-        headers: Headers::new().with(BLOB_HEADER, reference),
-        payload: Bytes::new(),
-    };
+    let body = aip_testkit::blobs::patterned(3 << 20, 26);
+    let message =
+        aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.blobs(), body.clone()).await;
 
     let reads = BlobReads::default();
     let (a, b) = tokio::join!(
