@@ -76,6 +76,9 @@ impl NatsBus {
             async move {
                 match event {
                     async_nats::Event::ServerError(e) => {
+                        if DirectGets::is_denial(&e) {
+                            direct_gets.denied();
+                        }
                         tracing::warn!(%connection, "NATS server error: {e}")
                     }
                     async_nats::Event::ClientError(e) => {
@@ -165,11 +168,19 @@ const DIRECT_GETS_RETRY: Duration = Duration::from_secs(60);
 /// again once [`DIRECT_GETS_RETRY`] has passed, and at once when the connection is made
 /// again, so that a NATS restart does not leave the slower stream API (its answer is the
 /// chunk in base64, encoded by the server) in place for the life of the process.
+///
+/// A user the server does not let send them is told so at once, as a permissions violation
+/// (a server error event), while the direct get itself would only time out: then they are off
+/// until the connection is made again (permissions are the connection's), and the direct gets
+/// waiting for an answer give up at once and ask the stream API.
 #[derive(Debug)]
 struct DirectGets {
     since: std::time::Instant,
-    /// Milliseconds after `since` before which direct gets are not tried; 0 while they work.
+    /// Milliseconds after `since` before which direct gets are not tried; 0 while they work,
+    /// `u64::MAX` once the server refused them.
     off_until_ms: std::sync::atomic::AtomicU64,
+    /// Wakes the direct gets waiting for an answer when the server refuses them.
+    refused: tokio::sync::Notify,
 }
 
 impl DirectGets {
@@ -177,6 +188,7 @@ impl DirectGets {
         DirectGets {
             since: std::time::Instant::now(),
             off_until_ms: std::sync::atomic::AtomicU64::new(0),
+            refused: tokio::sync::Notify::new(),
         }
     }
 
@@ -190,14 +202,22 @@ impl DirectGets {
         until == 0 || self.now_ms() >= until
     }
 
-    /// A direct get failed: off for [`DIRECT_GETS_RETRY`]. Whether they were on until now.
+    /// A direct get failed: off for [`DIRECT_GETS_RETRY`] (unless refused: then until the
+    /// connection is made again). Whether they were on until now.
     fn failed(&self) -> bool {
         let until = self
             .now_ms()
-            .saturating_add(DIRECT_GETS_RETRY.as_millis() as u64);
-        self.off_until_ms
-            .swap(until.max(1), std::sync::atomic::Ordering::Relaxed)
-            == 0
+            .saturating_add(DIRECT_GETS_RETRY.as_millis() as u64)
+            .max(1);
+        let before = self
+            .off_until_ms
+            .fetch_update(
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+                |now| (now != u64::MAX).then_some(until),
+            )
+            .unwrap_or(u64::MAX);
+        before == 0
     }
 
     /// A direct get worked: on. Whether they were off until now.
@@ -205,6 +225,28 @@ impl DirectGets {
         self.off_until_ms
             .swap(0, std::sync::atomic::Ordering::Relaxed)
             != 0
+    }
+
+    /// Whether a server error is the refusal of a direct get (the server names the subject
+    /// the user may not publish to: `$JS.API.DIRECT.GET.<stream>`).
+    fn is_denial(error: &async_nats::ServerError) -> bool {
+        let text = error.to_string();
+        text.contains("Permissions Violation") && text.contains(".API.DIRECT.GET.")
+    }
+
+    /// The server refused a direct get: off until the connection is made again, and those
+    /// waiting for an answer ask the stream API now.
+    fn denied(&self) {
+        let before = self
+            .off_until_ms
+            .swap(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        if before != u64::MAX {
+            tracing::warn!(
+                "this NATS user may not send direct gets ($JS.API.DIRECT.GET.<stream>): blob \
+                 chunks are read through the stream API until the connection is made again"
+            );
+        }
+        self.refused.notify_waiters();
     }
 
     /// The connection was made (again): on.
@@ -735,18 +777,28 @@ impl Bus for NatsBus {
             // and decoded here). A stream made before direct gets were allowed, or a replica
             // that has not caught up, is asked through the stream API instead.
             let direct = if self.direct_gets.allowed() {
-                match handle.direct_get(sequence).await {
-                    Ok(message) => {
+                // Made before the request is sent, so that a refusal coming meanwhile wakes it.
+                let refused = self.direct_gets.refused.notified();
+                let got = tokio::select! {
+                    got = handle.direct_get(sequence) => Some(got),
+                    () = refused => None,
+                };
+                match got {
+                    None => {
+                        tracing::debug!(%stream, sequence, "direct get refused, asking the stream API");
+                        None
+                    }
+                    Some(Ok(message)) => {
                         if self.direct_gets.worked() {
                             tracing::info!(%stream, "direct gets of blob chunks work again");
                         }
                         Some(message)
                     }
-                    Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
+                    Some(Err(e)) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => {
                         tracing::debug!(%stream, sequence, "direct get found nothing, asking the stream leader");
                         None
                     }
-                    Err(e) => {
+                    Some(Err(e)) => {
                         if self.direct_gets.failed() {
                             tracing::warn!(
                                 %stream,

@@ -1,12 +1,16 @@
 //! Blob chunks are read by direct get, which answers with the chunk's bytes; when a direct get
-//! fails, the bus reads through the stream API, whose answer is the chunk in base64. A NATS
-//! restart makes direct gets fail for a while (the server is gone, then its JetStream is not
-//! ready). They used to stay off for the life of the process; now they are tried again once
-//! the connection is made again.
+//! fails, the bus reads through the stream API, whose answer is the chunk in base64.
 //!
-//! Shown with a NATS user that may send direct gets but not the stream API's message gets: a
-//! read fails while the server is down, and after the server is back, reads work again only
-//! if direct gets are used again.
+//! A NATS restart makes direct gets fail for a while (the server is gone, then its JetStream
+//! is not ready). They used to stay off for the life of the process; now they are tried again
+//! once the connection is made again. Shown with a NATS user that may send direct gets but not
+//! the stream API's message gets: a read fails while the server is down, and after the server
+//! is back, reads work again only if direct gets are used again.
+//!
+//! A user who may not send direct gets got no answer to them: every read waited for the
+//! request's timeout (5 s), then once a minute again. The server says so at once, as a
+//! permissions violation; now that ends the wait, and direct gets stay off until the
+//! connection is made again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -96,4 +100,63 @@ async fn direct_gets_are_used_again_after_a_nats_restart() {
         Err(e) => panic!("{e}; server log:\n{}", server.log_text()),
     };
     assert!(after == body, "the body comes back whole after the restart");
+}
+
+/// Everything but direct gets.
+const NO_DIRECT_GETS: &str = r#"
+authorization {
+  users = [
+    {
+      user: "reader"
+      password: "reader-secret"
+      permissions: {
+        publish: { allow: [">"], deny: ["$JS.API.DIRECT.GET.>"] }
+        subscribe: { allow: [">"] }
+      }
+    }
+  ]
+}
+"#;
+
+#[tokio::test]
+async fn a_user_refused_direct_gets_reads_through_the_stream_api_without_waiting() {
+    let server = OwnNatsServer::start("no-direct-gets", NO_DIRECT_GETS, |_| {}, &[]).await;
+    let access = NatsSettings {
+        nats_user: Some("reader".into()),
+        nats_password: Some("reader-secret".into()),
+        ..NatsSettings::default()
+    };
+    let nats = NatsBus::connect_with(&server.url, "aip-bus-no-direct-gets", &access)
+        .await
+        .expect("connect");
+    let bus: Arc<dyn Bus> = Arc::new(nats.clone());
+    let subjects = Subjects::new(&format!("t{}", uuid::Uuid::new_v4().simple())).expect("prefix");
+    let blobs = BlobStore::for_subjects(&subjects);
+    bus.ensure_stream(blobs.stream_spec(-1))
+        .await
+        .expect("blob stream");
+    let body = aip_testkit::blobs::patterned(5 << 19, 253);
+    let message =
+        aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.frames_all(), body.clone()).await;
+    let read = || blobs.payload_of(bus.as_ref(), &message);
+
+    // Not a figure of speed: the bound is the direct get's request timeout (5 s), which a
+    // read waited for before the refusal was heard.
+    for attempt in ["first", "second"] {
+        let got = tokio::time::timeout(Duration::from_secs(4), read())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the {attempt} read waited for the request timeout; server log:\n{}",
+                    server.log_text()
+                )
+            })
+            .expect("read through the stream API");
+        assert!(got == body, "the body comes back whole");
+    }
+    assert!(
+        server.log_text().contains("Publish Violation"),
+        "the server refused a direct get: {}",
+        server.log_text()
+    );
 }
