@@ -19,48 +19,84 @@ use aip_bus::{BlobStore, Bus, NatsBus, NatsSettings};
 use aip_testkit::OwnNatsServer;
 use proto_schemas::Subjects;
 
-/// Everything but the stream API's message gets.
-const DIRECT_ONLY: &str = r#"
-authorization {
+/// A server configuration with one user, `reader`, who may publish anything but `denied`.
+fn reader_denied(denied: &str) -> String {
+    format!(
+        r#"
+authorization {{
   users = [
-    {
+    {{
       user: "reader"
       password: "reader-secret"
-      permissions: {
-        publish: { allow: [">"], deny: ["$JS.API.STREAM.MSG.GET.>"] }
-        subscribe: { allow: [">"] }
-      }
-    }
+      permissions: {{
+        publish: {{ allow: [">"], deny: ["{denied}"] }}
+        subscribe: {{ allow: [">"] }}
+      }}
+    }}
   ]
+}}
+"#
+    )
 }
-"#;
+
+/// Connected to `server` as `reader`, with a blob stream of a fresh prefix and a body of three
+/// chunks (of the server's default 1 MiB) stored in it.
+struct Reader {
+    nats: NatsBus,
+    bus: Arc<dyn Bus>,
+    blobs: BlobStore,
+    message: aip_bus::Message,
+    body: bytes::Bytes,
+}
+
+impl Reader {
+    async fn connect(server: &OwnNatsServer) -> Reader {
+        let access = NatsSettings {
+            nats_user: Some("reader".into()),
+            nats_password: Some("reader-secret".into()),
+            ..NatsSettings::default()
+        };
+        let nats = NatsBus::connect_with(&server.url, "aip-bus-direct-gets", &access)
+            .await
+            .expect("connect");
+        let bus: Arc<dyn Bus> = Arc::new(nats.clone());
+        let subjects =
+            Subjects::new(&format!("t{}", uuid::Uuid::new_v4().simple())).expect("prefix");
+        let blobs = BlobStore::for_subjects(&subjects);
+        bus.ensure_stream(blobs.stream_spec(-1))
+            .await
+            .expect("blob stream");
+        let body = aip_testkit::blobs::patterned(5 << 19, 253);
+        let message =
+            aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.frames_all(), body.clone())
+                .await;
+        Reader {
+            nats,
+            bus,
+            blobs,
+            message,
+            body,
+        }
+    }
+
+    async fn read(&self) -> Result<bytes::Bytes, aip_bus::BusError> {
+        self.blobs
+            .payload_of(self.bus.as_ref(), &self.message)
+            .await
+    }
+}
 
 #[tokio::test]
 async fn direct_gets_are_used_again_after_a_nats_restart() {
-    let mut server = OwnNatsServer::start("direct-gets", DIRECT_ONLY, |_| {}, &[]).await;
-    let access = NatsSettings {
-        nats_user: Some("reader".into()),
-        nats_password: Some("reader-secret".into()),
-        ..NatsSettings::default()
-    };
-    let nats = NatsBus::connect_with(&server.url, "aip-bus-direct-gets", &access)
-        .await
-        .expect("connect");
-    let bus: Arc<dyn Bus> = Arc::new(nats.clone());
-    let subjects = Subjects::new(&format!("t{}", uuid::Uuid::new_v4().simple())).expect("prefix");
-    let blobs = BlobStore::for_subjects(&subjects);
-    bus.ensure_stream(blobs.stream_spec(-1))
-        .await
-        .expect("blob stream");
-
-    // Three chunks of the server's default 1 MiB.
-    let body = aip_testkit::blobs::patterned(5 << 19, 253);
-    let message =
-        aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.frames_all(), body.clone()).await;
-    let read = || blobs.payload_of(bus.as_ref(), &message);
+    // Everything but the stream API's message gets.
+    let denied = reader_denied("$JS.API.STREAM.MSG.GET.>");
+    let mut server = OwnNatsServer::start("direct-gets", &denied, |_| {}, &[]).await;
+    let reader = Reader::connect(&server).await;
+    let (nats, body) = (&reader.nats, &reader.body);
+    let read = || reader.read();
 
     let before = read().await.expect("read back by direct get");
-    assert!(before == body, "the body comes back whole");
+    assert!(before == *body, "the body comes back whole");
 
     // Down: the read fails (its direct gets and then the stream API's gets time out).
     server.kill();
@@ -99,46 +135,18 @@ async fn direct_gets_are_used_again_after_a_nats_restart() {
         Ok(after) => after,
         Err(e) => panic!("{e}; server log:\n{}", server.log_text()),
     };
-    assert!(after == body, "the body comes back whole after the restart");
+    assert!(
+        after == *body,
+        "the body comes back whole after the restart"
+    );
 }
-
-/// Everything but direct gets.
-const NO_DIRECT_GETS: &str = r#"
-authorization {
-  users = [
-    {
-      user: "reader"
-      password: "reader-secret"
-      permissions: {
-        publish: { allow: [">"], deny: ["$JS.API.DIRECT.GET.>"] }
-        subscribe: { allow: [">"] }
-      }
-    }
-  ]
-}
-"#;
 
 #[tokio::test]
 async fn a_user_refused_direct_gets_reads_through_the_stream_api_without_waiting() {
-    let server = OwnNatsServer::start("no-direct-gets", NO_DIRECT_GETS, |_| {}, &[]).await;
-    let access = NatsSettings {
-        nats_user: Some("reader".into()),
-        nats_password: Some("reader-secret".into()),
-        ..NatsSettings::default()
-    };
-    let nats = NatsBus::connect_with(&server.url, "aip-bus-no-direct-gets", &access)
-        .await
-        .expect("connect");
-    let bus: Arc<dyn Bus> = Arc::new(nats.clone());
-    let subjects = Subjects::new(&format!("t{}", uuid::Uuid::new_v4().simple())).expect("prefix");
-    let blobs = BlobStore::for_subjects(&subjects);
-    bus.ensure_stream(blobs.stream_spec(-1))
-        .await
-        .expect("blob stream");
-    let body = aip_testkit::blobs::patterned(5 << 19, 253);
-    let message =
-        aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.frames_all(), body.clone()).await;
-    let read = || blobs.payload_of(bus.as_ref(), &message);
+    let denied = reader_denied("$JS.API.DIRECT.GET.>");
+    let server = OwnNatsServer::start("no-direct-gets", &denied, |_| {}, &[]).await;
+    let reader = Reader::connect(&server).await;
+    let (body, read) = (&reader.body, || reader.read());
 
     // Not a figure of speed: the bound is the direct get's request timeout (5 s), which a
     // read waited for before the refusal was heard.
@@ -152,7 +160,7 @@ async fn a_user_refused_direct_gets_reads_through_the_stream_api_without_waiting
                 )
             })
             .expect("read through the stream API");
-        assert!(got == body, "the body comes back whole");
+        assert!(got == *body, "the body comes back whole");
     }
     assert!(
         server.log_text().contains("Publish Violation"),
