@@ -15,7 +15,9 @@
 #
 # Results: bench/results/distributed-<N>gw/ (bench/results-quick/... with BENCH_QUICK=1).
 # Environment: see bench/matrix.sh and bench/lib.sh (BENCH_NATS_URL, BENCH_PG_HOST, ...),
-# BENCH_RUST_LOG (default info), BENCH_COMMAND (a measurement to run instead of
+# BENCH_RUST_LOG (default info), BENCH_WORKER_THREADS (each service's AIP_WORKER_THREADS,
+# default 1: they share this machine's cores with each other, NATS and PostgreSQL, as under
+# docker compose; empty for one per CPU), BENCH_COMMAND (a measurement to run instead of
 # bench/matrix.sh, with the same arguments: e.g. "bench/large_result.py").
 set -euo pipefail
 # shellcheck source=bench/lib.sh
@@ -53,6 +55,10 @@ log "$MODE: database $BENCH_DB, subject prefix $BENCH_PREFIX, NATS $BENCH_NATS_U
 
 COMMON=(env "AIP_NATS_URL=$BENCH_NATS_URL" "AIP_DATABASE_URL=$(pg_url "$BENCH_DB")"
   "AIP_SUBJECT_PREFIX=$BENCH_PREFIX" "RUST_LOG=${BENCH_RUST_LOG:-info}")
+WORKER_THREADS="${BENCH_WORKER_THREADS-1}"
+if [[ -n "$WORKER_THREADS" ]]; then
+  COMMON+=("AIP_WORKER_THREADS=$WORKER_THREADS")
+fi
 COMMANDS=()
 PIDS=()
 

@@ -285,6 +285,7 @@ mod tests {
                 database_url: None,
                 subject_prefix: "aip",
                 log_format: crate::telemetry::LogFormat::Pretty,
+                worker_threads: None,
             }
         }
 

@@ -98,9 +98,9 @@ enum Command {
 }
 
 /// A service binary's `main`: parses the command line (`--config`, `--check`, `--version`,
-/// `--help` with `about`, the `migrate` and `probe` commands), then [`run`]s service `S` or
-/// does what the command says.
-pub async fn main<S: Service>(about: &'static str) -> anyhow::Result<()> {
+/// `--help` with `about`, the `migrate` and `probe` commands), then [`run`]s service `S` on a
+/// runtime of its `worker_threads` ([`runtime`]) or does what the command says.
+pub fn main<S: Service>(about: &'static str) -> anyhow::Result<()> {
     use clap::{CommandFactory, FromArgMatches};
     let service = <S::Settings as ServiceSettings>::SERVICE;
     let binary = service.binary();
@@ -119,11 +119,44 @@ pub async fn main<S: Service>(about: &'static str) -> anyhow::Result<()> {
     if args.check {
         return check::<S>(config);
     }
+    let one_thread = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime")
+    };
     match args.command {
-        None => run::<S>(config).await,
-        Some(Command::Migrate) => migrate::<S>(config).await,
-        Some(Command::Probe { live }) => probe::<S>(config, live).await,
+        None => {
+            let settings: S::Settings =
+                crate::settings::load(config).context("loading settings")?;
+            // Zero is refused with the other settings' checks, in `run`.
+            let threads = settings.common().worker_threads.filter(|n| *n > 0);
+            runtime(threads)
+                .context("starting the runtime")?
+                .block_on(run::<S>(settings))
+        }
+        Some(Command::Migrate) => one_thread()?.block_on(migrate::<S>(config)),
+        Some(Command::Probe { live }) => one_thread()?.block_on(probe::<S>(config, live)),
     }
+}
+
+/// The runtime a service runs on: tokio's scheduler with `worker_threads` threads, one per
+/// CPU the process may use when `None`.
+///
+/// Where the services share a few cores with each other, NATS and PostgreSQL (docker compose,
+/// one small host), one thread each leaves more CPU to the others: every message a service
+/// handles wakes a thread, and with more threads than it keeps busy the wake-ups cross threads
+/// and cores, which costs CPU of its own. On 2 cores shared by all of them, one thread per
+/// service cut the services' own CPU per task by about a tenth, for the same throughput
+/// (`docs/benchmarks.md`, session 58). A service with cores of its own wants as many threads
+/// as it has cores.
+pub fn runtime(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if let Some(threads) = worker_threads {
+        builder.worker_threads(threads);
+    }
+    builder.build()
 }
 
 /// `--check`: loads the settings from `config` and the environment as [`run`] would, checks
@@ -232,12 +265,11 @@ async fn http_status(address: std::net::SocketAddr, path: &str) -> anyhow::Resul
         .with_context(|| format!("not an HTTP status line: {:?}", line.lines().next()))
 }
 
-/// Runs service `S` as a process: settings from `config` (the `--config` file, or none) and
-/// the `AIP_…` environment, until SIGINT or SIGTERM.
-pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
+/// Runs service `S` as a process with `settings` (loaded from the `--config` file, or none,
+/// and the `AIP_…` environment), until SIGINT or SIGTERM.
+pub async fn run<S: Service>(settings: S::Settings) -> anyhow::Result<()> {
     crate::install_crypto_provider();
     let service = <S::Settings as ServiceSettings>::SERVICE;
-    let settings: S::Settings = crate::settings::load(config).context("loading settings")?;
     let common = settings.common();
     let telemetry = crate::telemetry::init_with(
         common.log_format,
@@ -250,6 +282,11 @@ pub async fn run<S: Service>(config: Option<&Path>) -> anyhow::Result<()> {
     }
     warn_about_unknown_variables::<S::Settings>();
     settings.validate().context("checking settings")?;
+    tracing::info!(
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
+        "{} starting",
+        service.binary()
+    );
 
     let bus = NatsBus::connect_with(common.nats_url, service.binary(), common.nats).await?;
     tracing::info!(
@@ -294,6 +331,20 @@ pub async fn connect_database(url: &str, options: &PoolOptions) -> Result<Databa
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_runtime_has_the_threads_asked_for() {
+        for threads in [1, 3] {
+            let runtime = runtime(Some(threads)).expect("runtime");
+            assert_eq!(runtime.metrics().num_workers(), threads);
+        }
+        if std::env::var_os("TOKIO_WORKER_THREADS").is_some() {
+            return; // tokio's own default then
+        }
+        let default = runtime(None).expect("runtime");
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        assert_eq!(default.metrics().num_workers(), cpus);
+    }
 
     #[tokio::test]
     async fn only_connection_failures_are_retried() {

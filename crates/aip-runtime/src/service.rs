@@ -74,7 +74,7 @@ impl std::fmt::Display for ServiceName {
 
 /// The top-level settings every service reads (`AIP_NATS_URL`, the NATS credentials and TLS
 /// of [`aip_bus::NatsSettings`] such as `AIP_NATS_CREDS_FILE`, `AIP_DATABASE_URL`,
-/// `AIP_SUBJECT_PREFIX`, `AIP_LOG_FORMAT`).
+/// `AIP_SUBJECT_PREFIX`, `AIP_LOG_FORMAT`, `AIP_WORKER_THREADS`).
 #[derive(Debug, Clone, Copy)]
 pub struct Common<'a> {
     /// Where the bus is.
@@ -87,6 +87,8 @@ pub struct Common<'a> {
     pub subject_prefix: &'a str,
     /// How logs are written.
     pub log_format: LogFormat,
+    /// How many threads run the service's work; `None`: one per CPU the process may use.
+    pub worker_threads: Option<usize>,
 }
 
 /// What protects a listener from anonymous use.
@@ -248,6 +250,12 @@ pub trait ServiceSettings: Default + Serialize + DeserializeOwned + Send + 'stat
     /// [`ServiceSettings::check_own`]. Returns the subjects under the prefix.
     fn validate(&self) -> Result<Subjects, StartError> {
         let subjects = Subjects::new(self.common().subject_prefix)?;
+        if self.common().worker_threads == Some(0) {
+            return Err(StartError::invalid(
+                Self::SERVICE,
+                "worker_threads must be at least 1 (unset: one per CPU)",
+            ));
+        }
         let exposure = self.exposure();
         if exposure.refused() {
             return Err(StartError::OpenOnNetwork {

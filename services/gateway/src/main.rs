@@ -1,10 +1,8 @@
 //! `aip-gateway`: the WebSocket gateway as a process. Runs until SIGINT/SIGTERM through
 //! [`aip_runtime::runner`].
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     aip_runtime::runner::main::<aip_gateway::Application>(
         "AIP WebSocket gateway: clients connect to /ws; frames travel over NATS.",
     )
-    .await
 }

@@ -35,6 +35,9 @@ pub struct Settings {
     pub subject_prefix: String,
     /// `pretty` for a terminal, `json` for a log collector.
     pub log_format: LogFormat,
+    /// Threads that run the service's work (`AIP_WORKER_THREADS`); unset: one per CPU the
+    /// process may use. See [`aip_runtime::runner`] for when fewer are faster.
+    pub worker_threads: Option<usize>,
     /// The `[registry]` section (`AIP_REGISTRY__…`).
     pub registry: RegistrySettings,
 }
@@ -91,6 +94,7 @@ impl Default for Settings {
             database_url: DEFAULT_DATABASE_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
+            worker_threads: None,
             registry: RegistrySettings::default(),
         }
     }
@@ -128,6 +132,7 @@ impl ServiceSettings for Settings {
             database_url: Some(&self.database_url),
             subject_prefix: &self.subject_prefix,
             log_format: self.log_format,
+            worker_threads: self.worker_threads,
         }
     }
 
@@ -252,6 +257,7 @@ mod tests {
             ("AIP_DATABASE_URL", "postgres://db/aip"),
             ("AIP_SUBJECT_PREFIX", "envtest"),
             ("AIP_LOG_FORMAT", "json"),
+            ("AIP_WORKER_THREADS", "1"),
             ("AIP_REGISTRY__LISTEN", "0.0.0.0:6001"),
             ("AIP_REGISTRY__API_KEYS", "k1,k2"),
             ("AIP_REGISTRY__ALLOW_NO_AUTH", "true"),
@@ -265,6 +271,7 @@ mod tests {
         assert_eq!(s.database_url, "postgres://db/aip");
         assert_eq!(s.subject_prefix, "envtest");
         assert_eq!(s.log_format, LogFormat::Json);
+        assert_eq!(s.worker_threads, Some(1));
         assert_eq!(s.registry.listen, "0.0.0.0:6001".parse().expect("addr"));
         assert_eq!(s.registry.api_keys, ["k1", "k2"]);
         assert!(s.registry.allow_no_auth);
@@ -279,6 +286,16 @@ mod tests {
         assert_eq!(s.api_keys, ["a", "b", "c"]);
         let s: RegistrySettings = serde_json::from_str(r#"{"api_keys": ["x"]}"#).expect("list");
         assert_eq!(s.api_keys, ["x"]);
+    }
+
+    #[test]
+    fn no_worker_threads_is_refused() {
+        let s = Settings {
+            worker_threads: Some(0),
+            ..Settings::default()
+        };
+        let err = s.validate().expect_err("zero threads");
+        assert!(err.to_string().contains("worker_threads"), "{err}");
     }
 
     #[test]

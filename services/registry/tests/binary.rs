@@ -55,6 +55,7 @@ async fn binary_serves_nats_and_rest_and_stops_on_sigterm() {
         .env("AIP_DATABASE_URL", test_db.url())
         .env("AIP_SUBJECT_PREFIX", &prefix)
         .env("AIP_LOG_FORMAT", "json")
+        .env("AIP_WORKER_THREADS", "1")
         .env("AIP_REGISTRY__LISTEN", format!("127.0.0.1:{port}"))
         .env("AIP_REGISTRY__API_KEYS", "key-one,key-two")
         .spawn()
@@ -69,6 +70,11 @@ async fn binary_serves_nats_and_rest_and_stops_on_sigterm() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e}; its log:\n{}", logs()));
+    assert!(
+        logs().contains(r#""worker_threads":1"#),
+        "the runtime's threads (AIP_WORKER_THREADS) are not logged at start:\n{}",
+        logs()
+    );
 
     let bus: SharedBus = Arc::new(
         NatsBus::connect(&nats_url(), "aip-registry-binary-test")

@@ -1,10 +1,8 @@
 //! `aip-sessions`: the session service as a process. Runs until SIGINT/SIGTERM through
 //! [`aip_runtime::runner`].
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     aip_runtime::runner::main::<aip_sessions::Application>(
         "AIP session service: durable tasks, command routing, results over REST.",
     )
-    .await
 }

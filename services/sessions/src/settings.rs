@@ -27,6 +27,9 @@ pub struct Settings {
     pub subject_prefix: String,
     /// `pretty` for a terminal, `json` for a log collector.
     pub log_format: LogFormat,
+    /// Threads that run the service's work (`AIP_WORKER_THREADS`); unset: one per CPU the
+    /// process may use. See [`aip_runtime::runner`] for when fewer are faster.
+    pub worker_threads: Option<usize>,
     /// The `[sessions]` section (`AIP_SESSIONS__…`).
     pub sessions: SessionSettings,
 }
@@ -199,6 +202,7 @@ impl Default for Settings {
             database_url: DEFAULT_DATABASE_URL.to_owned(),
             subject_prefix: proto_schemas::subjects::DEFAULT_PREFIX.to_owned(),
             log_format: LogFormat::Pretty,
+            worker_threads: None,
             sessions: SessionSettings::default(),
         }
     }
@@ -284,6 +288,7 @@ impl ServiceSettings for Settings {
             database_url: Some(&self.database_url),
             subject_prefix: &self.subject_prefix,
             log_format: self.log_format,
+            worker_threads: self.worker_threads,
         }
     }
 
