@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use aip_bus::{BlobStore, NatsBus, SharedBus};
-use aip_gateway::blob_reads::BlobReads;
+use aip_gateway::blob_reads::{BlobReads, BodyError};
 use proto_schemas::Subjects;
 
 #[tokio::test]
@@ -30,7 +30,7 @@ async fn deliveries_asking_together_share_one_read_and_it_is_forgotten_after() {
         reads.payload_of(&bus, &blobs, &message)
     );
     let (a, b) = (a.expect("read"), b.expect("read"));
-    assert_eq!(a, body);
+    assert_eq!(a.as_bytes(), body);
     assert_eq!(a.as_ptr(), b.as_ptr(), "one read, its bytes shared");
     assert_eq!(reads.under_way(), 0, "a read is forgotten once done");
 
@@ -39,7 +39,7 @@ async fn deliveries_asking_together_share_one_read_and_it_is_forgotten_after() {
         .payload_of(&bus, &blobs, &message)
         .await
         .expect("read");
-    assert_eq!(c, body);
+    assert_eq!(c.as_bytes(), body);
     assert_ne!(c.as_ptr(), a.as_ptr(), "a new read");
 
     // A delivery that gives up while its read is under way leaves nothing behind.
@@ -49,6 +49,16 @@ async fn deliveries_asking_together_share_one_read_and_it_is_forgotten_after() {
         assert_eq!(reads.under_way(), 1);
     }
     assert_eq!(reads.under_way(), 0, "an abandoned read is forgotten");
+
+    // A body that is not UTF-8 cannot be written as text: refused, for every delivery of it.
+    let garbled = bytes::Bytes::from(vec![0xFF_u8; 3 << 20]);
+    let message = aip_testkit::blobs::stored(bus.as_ref(), &blobs, subjects.blobs(), garbled).await;
+    let (a, b) = tokio::join!(
+        reads.payload_of(&bus, &blobs, &message),
+        reads.payload_of(&bus, &blobs, &message)
+    );
+    assert!(matches!(a, Err(BodyError::NotUtf8)), "{a:?}");
+    assert!(matches!(b, Err(BodyError::NotUtf8)), "{b:?}");
 
     bus.delete_stream(blobs.stream.clone())
         .await

@@ -5,8 +5,8 @@
 use aip_bus::trace::Operation;
 use aip_bus::{Message as BusMessage, names};
 use proto_schemas::{ErrorCode, server};
-use tokio_tungstenite::tungstenite::Utf8Bytes;
 
+use crate::blob_reads::BodyError;
 use crate::client::{Client, End};
 use crate::connection::close;
 
@@ -56,13 +56,19 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
     }
     let started = std::time::Instant::now();
     let state = &client.state;
-    let payload = match state
+    let text = match state
         .blob_reads
         .payload_of(&state.bus, &state.blobs, &message)
         .await
     {
-        Ok(payload) => payload,
-        Err(e) => {
+        Ok(text) => text,
+        Err(BodyError::NotUtf8) => {
+            tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
+            // Sending it again cannot make it readable.
+            acknowledge(client, &message).await;
+            return Ok(());
+        }
+        Err(BodyError::Bus(e)) => {
             tracing::error!(subject = %message.subject, "a large frame for this client could not be read back: {e}");
             return Ok(client.connection.write(&server::error(
                 ErrorCode::Internal,
@@ -70,27 +76,21 @@ pub(crate) async fn handle(client: &mut Client, message: BusMessage) -> Result<(
             ))?);
         }
     };
-    if payload.len() >= crate::client::LARGE_FRAME_BYTES {
+    if text.len() >= crate::client::LARGE_FRAME_BYTES {
         tracing::debug!(
-            bytes = payload.len(),
+            bytes = text.len(),
             read_us = started.elapsed().as_micros() as u64,
             "large delivery read back"
         );
     }
     // Without a copy: the body read back (shared with other deliveries of it) is written.
-    match Utf8Bytes::try_from(payload) {
-        Ok(text) => {
-            metrics::counter!("aip_gateway_deliveries_total", "outcome" => "written").increment(1);
-            let traced = aip_bus::trace::extract(&message.headers)
-                .map(|parent| written_span(client, &message.subject, parent, text.as_str()));
-            let _entered = traced.as_ref().map(|span| span.enter());
-            client.connection.write_utf8(text)?
-        }
-        Err(_) => {
-            tracing::error!(subject = %message.subject, "delivery is not UTF-8 JSON; dropped");
-        }
+    metrics::counter!("aip_gateway_deliveries_total", "outcome" => "written").increment(1);
+    {
+        let traced = aip_bus::trace::extract(&message.headers)
+            .map(|parent| written_span(client, &message.subject, parent, text.as_str()));
+        let _entered = traced.as_ref().map(|span| span.enter());
+        client.connection.write_utf8(text)?;
     }
-    // Also for a frame dropped as not UTF-8: sending it again cannot make it readable.
     acknowledge(client, &message).await;
     Ok(())
 }
